@@ -221,9 +221,9 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
-        flat = logits.view(-1, logits.size(-1))  # the loss in fp32 at least, even under autocast
+        flat = logits.reshape(-1, logits.size(-1))  # the loss in fp32 at least, even under autocast
         flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-        return logits, F.cross_entropy(flat, targets.view(-1))
+        return logits, F.cross_entropy(flat, targets.reshape(-1))
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=200):
@@ -600,3 +600,695 @@ def manual_loss_and_grads(params, idx, targets, *, dtype=torch.float32, device=N
 
 def grads_finite(grads):
     return bool(torch.stack([torch.isfinite(g).all() for g in grads.values()]).all())
+
+
+def eager_loss_and_grads(cfg, w, idx, targets, dtype, device, loss_scale):
+    """manual_loss_and_grads without the checks, for the training loop's eager engine."""
+    o = TorchOps(dtype, device)
+    with torch.no_grad():
+        loss, g = dense_step(o, cfg, idx.shape[0], idx.shape[1], host_inputs(w, cfg, idx, targets, loss_scale))
+        out_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        return loss.reshape(()).to(out_dtype), host_grads(g, cfg, idx, targets, loss_scale, out_dtype)
+
+# @@CORE_ML_SECTION@@
+
+# -----------------------------------------------------------------------------
+# 5. Engines. Each computes (loss, grads) for one microbatch from the current weights:
+#   loss_and_grads(idx, targets) -> (0-dim loss tensor, {param name: gradient})
+# AutogradEngine: nanoGPT's model + autograd (the GPU: MPS or CUDA; or the CPU).
+# EagerEngine:    the derivation above run by PyTorch, no autograd. Off a Mac it stands
+#                 in for the ANE, in fp16 by default so its arithmetic is the ANE's.
+# CoreMLEngine:   the derivation as a Core ML program on the ANE (section 4).
+
+
+class AutogradEngine:
+    name, holds_gil = 'gpu', False
+
+    def __init__(self, model, device, dtype, compile=False):
+        self.model, self.device = model, device
+        self.forward = torch.compile(model) if compile else model
+        self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
+                         else contextlib.nullcontext())
+        self.params = list(model.named_parameters())
+        self.scaler = LossScaler(1.0, 0, enabled=False)  # bf16/fp32 need no loss scale
+        self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
+
+    def load_weights(self, params):
+        pass  # this engine's model *is* the master copy of the weights
+
+    def loss_and_grads(self, idx, targets):
+        for _, p in self.params:
+            p.grad = None
+        with self.autocast:
+            _, loss = self.forward(idx.to(self.device, non_blocking=True),
+                                   targets.to(self.device, non_blocking=True))
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in self.params}
+
+    def synchronize(self):
+        device_synchronize(self.device)
+
+
+class EagerEngine:
+    name, holds_gil = 'ane', False
+
+    def __init__(self, cfg, device, dtype, scaler):
+        self.cfg, self.device, self.dtype, self.scaler = cfg, device, dtype, scaler
+        self.w = None
+        self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
+
+    def load_weights(self, params):
+        # once per step, into buffers reused across steps (no new allocation per step)
+        if self.w is None:
+            self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device) for k, p in params.items()}
+        for k, p in params.items():
+            self.w[k].copy_(p.detach())
+
+    def loss_and_grads(self, idx, targets):
+        return eager_loss_and_grads(self.cfg, self.w, idx.to(self.device), targets.to(self.device),
+                                    self.dtype, self.device, self.scaler.scale)
+
+    def synchronize(self):
+        device_synchronize(self.device)
+
+
+def device_synchronize(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+    elif device.type == 'mps':
+        torch.mps.synchronize()
+
+
+class LossScaler:
+    """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale`, so
+    small gradients do not flush to zero in fp16; the host divides it back out. After
+    `window` finite steps in a row the scale doubles; a non-finite step halves it."""
+
+    def __init__(self, scale, window, enabled=True):
+        self.scale = float(scale) if enabled else 1.0
+        self.window, self.enabled, self.good = window, enabled, 0
+
+    def update(self, finite):
+        if not self.enabled:
+            return
+        if not finite:
+            self.scale, self.good = max(self.scale / 2, 1.0), 0
+        else:
+            self.good += 1
+            if self.good >= self.window:
+                self.scale, self.good = min(self.scale * 2, 2.0 ** 24), 0
+
+
+# -----------------------------------------------------------------------------
+# 6. The concurrent step: both engines, one AdamW update.
+
+
+class Split:
+    """How many of a step's n microbatches go to the ANE engine. Fixed (`fraction`), or
+    auto: from each engine's measured seconds per microbatch (smoothed), give each a share
+    proportional to its speed, so that both finish together."""
+
+    def __init__(self, n, fraction='auto'):
+        self.n, self.auto = n, fraction == 'auto'
+        self.k = n // 2 if self.auto else round(float(fraction) * n)
+        self.sec = {}  # engine name -> smoothed seconds per microbatch
+        self.steps = 0
+
+    def assign(self, alive):
+        if alive == {'gpu'}:
+            return 0
+        if alive == {'ane'}:
+            return self.n
+        if self.auto and self.n >= 2 and self.k == 0 and self.steps % 20 == 0:
+            return 1  # now and then give an idle engine one microbatch, to re-measure it
+        return self.k
+
+    def observe(self, seconds_per_mb):
+        self.steps += 1
+        for name, s in seconds_per_mb.items():
+            self.sec[name] = s if name not in self.sec else 0.5 * self.sec[name] + 0.5 * s
+        if self.auto and len(self.sec) == 2:
+            r_gpu, r_ane = 1 / self.sec['gpu'], 1 / self.sec['ane']
+            self.k = min(self.n, max(0, round(self.n * r_ane / (r_gpu + r_ane))))
+
+    def state_dict(self):
+        return dict(k=self.k, sec=self.sec, steps=self.steps)
+
+    def load_state_dict(self, s):
+        self.k, self.sec, self.steps = s['k'], s['sec'], s['steps']
+
+
+def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
+    """Thread body: forward+backward of each microbatch, gradients summed."""
+    try:
+        if wait_for is not None:
+            wait_for.wait(timeout=60)
+        t0 = time.perf_counter()
+        acc, loss = None, 0.0
+        for i, (idx, targets) in enumerate(microbatches):
+            l, g = engine.loss_and_grads(idx, targets)
+            if acc is None:
+                acc = {k: v.float() if v.dtype != torch.float32 else v.clone() for k, v in g.items()}
+            else:
+                for k, v in g.items():
+                    acc[k] += v
+            loss = loss + l.float()
+            if enqueued is not None and i == 0:
+                enqueued.set()
+        engine.synchronize()
+        out.update(grads=acc, loss=float(loss), n=len(microbatches),
+                   seconds=time.perf_counter() - t0, finite=math.isfinite(float(loss)) and grads_finite(acc))
+    except Exception as e:  # reported by the caller; training goes on with the other engine
+        out['error'] = e
+    finally:
+        if enqueued is not None:
+            enqueued.set()
+
+
+class HeteroStep:
+    """One optimizer step over a list of microbatches, on one or both engines.
+
+    Both engines start from the same weights (the ANE engine's copy is refreshed here,
+    once per step), run in their own threads, and return summed gradients. All
+    microbatches have B*T tokens, so the token-weighted mean is the sum over both engines
+    divided by the count of microbatches that contributed. An engine whose gradients are
+    not finite (fp16 overflow) or that raised is left out of that step: the mean is then
+    over the other engine's microbatches alone, and is still an unbiased gradient."""
+
+    def __init__(self, model, engines, split, log=print):
+        self.model, self.engines, self.split, self.log = model, engines, split, log
+        self.params = dict(model.named_parameters())
+        self.alive = set(engines)
+        self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
+        self.skipped = 0  # steps with no usable gradient at all (no update)
+
+    def __call__(self, microbatches):
+        k = self.split.assign(self.alive)
+        shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
+        results, threads = {}, []
+        for name in self.alive:
+            if name != 'gpu' and shares[name]:
+                self.engines[name].load_weights(self.params)
+        # Core ML's predict holds the GIL for its whole call (ANE_NOTES). While it runs,
+        # the GPU thread cannot run Python, but kernels it has already enqueued keep the
+        # GPU busy and loss.backward() runs in C++ without the GIL. So the GPU thread
+        # starts first and the ANE thread waits until the GPU has enqueued its first
+        # microbatch's forward and backward; then both accelerators are busy at once.
+        enqueued = threading.Event()
+        gil_bound = any(self.engines[n].holds_gil for n in self.alive if shares[n])
+        for name in sorted(self.alive, key=lambda n: n != 'gpu'):
+            if not shares[name]:
+                continue
+            results[name] = {}
+            wait = enqueued if (name != 'gpu' and gil_bound and shares['gpu'] and 'gpu' in self.alive) else None
+            t = threading.Thread(target=run_engine, daemon=True,
+                                 args=(self.engines[name], shares[name], results[name], wait,
+                                       enqueued if name == 'gpu' else None))
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join()
+        return self._combine(results)
+
+    def _combine(self, results):
+        used = {}
+        for name, r in results.items():
+            eng = self.engines[name]
+            if 'error' in r:
+                self.alive.discard(name)
+                self.log(f"engine '{name}' ({eng.label}) failed: {r['error']!r}; "
+                         f"continuing with {sorted(self.alive) or 'nothing'}")
+                if not self.alive:
+                    raise RuntimeError("both engines failed") from r['error']
+                self.dropped[name] += 1
+                continue
+            eng.scaler.update(r['finite'])
+            if r['finite']:
+                used[name] = r
+            else:
+                self.dropped[name] += 1
+        if len(results) == 2 and all('error' not in r for r in results.values()):
+            self.split.observe({n: r['seconds'] / r['n'] for n, r in results.items()})
+        n = sum(r['n'] for r in used.values())
+        if n == 0:
+            self.skipped += 1
+            return dict(loss=float('nan'), used=[], results=results)
+        for pn, p in self.params.items():
+            g = None
+            for r in used.values():
+                gi = r['grads'][pn].to(p.device, non_blocking=True)
+                g = gi if g is None else g + gi
+            p.grad = g.div_(n).to(p.dtype)
+        return dict(loss=sum(r['loss'] for r in used.values()) / n, used=sorted(used), results=results)
+
+
+# -----------------------------------------------------------------------------
+# 7. Energy meters: joules() is the energy used so far (None where nothing is readable).
+
+
+class NvmlMeter:
+    """NVIDIA GPUs: NVML's total-energy counter (millijoules), read through ctypes."""
+
+    def __init__(self, index=0):
+        import ctypes
+        self.ct = ctypes
+        self.lib = ctypes.CDLL('libnvidia-ml.so.1')
+        if self.lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit failed")
+        self.handle = ctypes.c_void_p()
+        if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0:
+            raise OSError(f"no NVML device {index}")
+        self.name = f"NVML (GPU {index})"
+        self.joules()
+
+    def joules(self):
+        mj = self.ct.c_ulonglong()
+        if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, self.ct.byref(mj)) != 0:
+            raise OSError("NVML energy counter unsupported")
+        return mj.value / 1000.0
+
+
+class RaplMeter:
+    """Linux CPUs: RAPL package counters in /sys/class/powercap (microjoules, wrapping)."""
+
+    def __init__(self):
+        root = '/sys/class/powercap'
+        self.zones = [os.path.join(root, z) for z in sorted(os.listdir(root))
+                      if z.count(':') == 1 and z.startswith('intel-rapl')]
+        if not self.zones:
+            raise OSError("no RAPL zones")
+        self.last = [self._read(z, 'energy_uj') for z in self.zones]  # raises if unreadable
+        self.wrap = [self._read(z, 'max_energy_range_uj') for z in self.zones]
+        self.total, self.name = 0.0, f"RAPL ({len(self.zones)} CPU packages)"
+
+    @staticmethod
+    def _read(zone, f):
+        with open(os.path.join(zone, f)) as fh:
+            return int(fh.read())
+
+    def joules(self):
+        for i, z in enumerate(self.zones):
+            now = self._read(z, 'energy_uj')
+            self.total += ((now - self.last[i]) % self.wrap[i]) / 1e6
+            self.last[i] = now
+        return self.total
+
+
+class PowermetricsMeter:
+    """macOS: CPU, GPU and ANE power sampled by powermetrics (needs root: sudo), integrated
+    over time in a background thread."""
+
+    def __init__(self, interval_ms=200):
+        import re
+        import subprocess
+        self.proc = subprocess.Popen(
+            ['sudo', '-n', 'powermetrics', '--samplers', 'cpu_power,gpu_power,ane_power',
+             '-i', str(interval_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.dt, self.total, self.name = interval_ms / 1000, 0.0, "powermetrics (CPU+GPU+ANE)"
+        self.pattern = re.compile(r'^(CPU|GPU|ANE) Power: (\d+) mW')
+        first = threading.Event()
+
+        def reader():
+            for line in self.proc.stdout:
+                m = self.pattern.match(line)
+                if m:
+                    self.total += int(m.group(2)) / 1000 * self.dt
+                    first.set()
+        threading.Thread(target=reader, daemon=True).start()
+        if not first.wait(5):
+            self.proc.kill()
+            raise OSError("powermetrics gave no samples (run with sudo rights)")
+
+    def joules(self):
+        return self.total
+
+
+class EnergyMeter:
+    """The sum of every meter that works here: powermetrics on macOS, NVML for each CUDA
+    device in use, RAPL when any engine runs on the CPU."""
+
+    def __init__(self, devices):
+        self.meters, self.missing = [], []
+        kinds = []
+        if ON_MAC:
+            kinds.append(PowermetricsMeter)
+        for d in sorted({d for d in devices if d.type == 'cuda'}, key=str):
+            kinds.append(lambda i=(d.index or 0): NvmlMeter(i))
+        if any(d.type == 'cpu' for d in devices) and not ON_MAC:
+            kinds.append(RaplMeter)
+        for make in kinds:
+            try:
+                self.meters.append(make())
+            except Exception as e:
+                self.missing.append(f"{getattr(make, '__name__', 'NVML')}: {e}")
+        self.name = ' + '.join(m.name for m in self.meters) or 'none'
+
+    def joules(self):
+        return sum(m.joules() for m in self.meters) if self.meters else None
+
+
+# -----------------------------------------------------------------------------
+# 8. The training loop.
+
+
+def resolve_device(name):
+    if name == 'auto':
+        if torch.backends.mps.is_available():
+            return torch.device('mps')
+        return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}: use auto, cpu, cuda, cuda:N or mps") from None
+    if dev.type == 'cuda' and not torch.cuda.is_available():
+        raise UserError("--device cuda asked for, but PyTorch sees no CUDA GPU")
+    if dev.type == 'mps' and not torch.backends.mps.is_available():
+        raise UserError("--device mps asked for, but MPS is not available")
+    return dev
+
+
+def resolve_dtype(name, device):
+    if name == 'auto':
+        return torch.bfloat16 if device.type == 'cuda' else torch.float32
+    dtypes = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16,
+              'float64': torch.float64}
+    if name not in dtypes:
+        raise UserError(f"unknown dtype {name!r}: use one of {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+def load_data(cfg):
+    """train/val token arrays (uint16 memmaps); prepares a known data set if missing."""
+    folder = os.path.join(cfg.data_dir, cfg.dataset)
+    if not os.path.exists(os.path.join(folder, 'meta.json')):
+        import prepare_data
+        if cfg.dataset not in prepare_data.DATASETS:
+            raise UserError(f"no data set at {folder}/ ; make one with "
+                            f"`python prepare_data.py --input FILE --name {cfg.dataset}`")
+        print(f"{folder}/ is missing: running `python prepare_data.py {cfg.dataset}` first")
+        try:
+            prepare_data.prepare(cfg.dataset, data_dir=cfg.data_dir)
+        except prepare_data.DataError as e:
+            raise UserError(str(e)) from None
+    data = {}
+    with open(os.path.join(folder, 'meta.json')) as f:
+        meta = json.load(f)
+    for split in ('train', 'val'):
+        path = os.path.join(folder, f'{split}.bin')
+        size = os.path.getsize(path) if os.path.exists(path) else -1
+        if size != 2 * meta.get(f'{split}_tokens', -2):
+            raise UserError(f"{path} is missing or does not match meta.json (a broken or interrupted "
+                            f"preparation?): run `python prepare_data.py {cfg.dataset}` again")
+        data[split] = np.memmap(path, dtype=np.uint16, mode='r')
+        if len(data[split]) < cfg.block_size + 2:
+            raise UserError(f"block_size={cfg.block_size} is larger than the {split} split "
+                            f"({len(data[split])} tokens): lower --block_size")
+    if meta.get('vocab_size', cfg.vocab_size) > cfg.vocab_size:
+        raise UserError(f"data set has vocab_size {meta['vocab_size']} > model's {cfg.vocab_size}")
+    return data
+
+
+def get_batch(data, n, T, rng):
+    """n random windows of T+1 tokens: inputs and next-token targets, int64 on the CPU."""
+    ix = rng.integers(0, len(data) - T - 1, n)
+    xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
+    return xy[:, :-1], xy[:, 1:]
+
+
+def step_batches(cfg, data, it):
+    """The step's microbatches. Seeded by (seed, step), so every mode, split and resume
+    sees the same batches at the same step."""
+    x, y = get_batch(data, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.block_size,
+                     np.random.default_rng((cfg.seed, it)))
+    return list(zip(x.split(cfg.batch_size), y.split(cfg.batch_size)))
+
+
+@torch.no_grad()
+def evaluate(model, engine, cfg, data):
+    """Mean validation loss: over eval_iters fixed random batches, or with eval_iters=0
+    over the whole validation split in consecutive windows (every token predicted once)."""
+    model.eval()
+    T, losses, weights = cfg.block_size, [], []
+    if cfg.eval_iters > 0:
+        rng = np.random.default_rng((cfg.seed, 2**32 - 1))  # not a training step's seed
+        batches = [get_batch(data, cfg.batch_size, T, rng) for _ in range(cfg.eval_iters)]
+    else:
+        xy = torch.from_numpy(data[:(len(data) - 1) // T * T + 1].astype(np.int64))
+        x, y = xy[:-1].view(-1, T), xy[1:].view(-1, T)
+        batches = list(zip(x.split(cfg.batch_size), y.split(cfg.batch_size)))
+    for x, y in batches:
+        with engine.autocast:
+            _, loss = model(x.to(engine.device), y.to(engine.device))
+        losses.append(loss.float() * x.numel())
+        weights.append(x.numel())
+    model.train()
+    return float(sum(losses)) / sum(weights)
+
+
+def get_lr(cfg, it):
+    """Linear warm-up, then cosine decay to min_lr at max_iters."""
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    ratio = min(1.0, (it - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters))
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def make_optimizer(model, cfg, device):
+    """AdamW, nanoGPT's groups: weight decay on 2-D weights, none on biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay},
+              {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                             fused=device.type == 'cuda')
+
+
+def save_checkpoint(path, obj):
+    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
+    tmp = path + '.tmp'
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def model_config(cfg):
+    return GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
+                     n_head=cfg.n_head, n_embd=cfg.n_embd)
+
+
+def build_engines(cfg, model, device, dtype, mode, log=print):
+    """The engines a mode needs: {'gpu': ..., 'ane': ...}."""
+    engines = {}
+    if mode in ('gpu', 'hetero'):
+        engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile)
+    if mode in ('ane', 'hetero'):
+        scaler = LossScaler(cfg.loss_scale, cfg.scale_window)
+        if ON_MAC:
+            engines['ane'] = CoreMLEngine(ensure_coreml_package(cfg, log), model.config, scaler=scaler)
+        else:
+            ane_dev = device if cfg.ane_device == 'auto' else resolve_device(cfg.ane_device)
+            engines['ane'] = EagerEngine(model.config, ane_dev, resolve_dtype(cfg.ane_dtype, ane_dev), scaler)
+            log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
+    return engines
+
+
+def setup(cfg, given, log=print):
+    """Checks the configuration and resolves what 'auto' means on this machine."""
+    device = resolve_device(cfg.device)
+    if device.type == 'cpu':
+        changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given}
+        for k, v in changed.items():
+            setattr(cfg, k, v)
+        if changed:
+            log("no GPU: small model and short run for the CPU (any flag overrides): "
+                + ' '.join(f'{k}={v}' for k, v in changed.items()))
+    if cfg.mode == 'auto':
+        cfg.mode = 'hetero' if ON_MAC else 'gpu'
+    if cfg.mode not in ('gpu', 'ane', 'hetero'):
+        raise UserError(f"unknown --mode {cfg.mode!r}: use gpu, ane or hetero")
+    if cfg.ane_fraction != 'auto':
+        try:
+            ok = 0.0 <= float(cfg.ane_fraction) <= 1.0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UserError(f"--ane_fraction must be auto or a number in [0, 1], got {cfg.ane_fraction!r}")
+    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'gradient_accumulation_steps'):
+        if getattr(cfg, k) < 1:
+            raise UserError(f"--{k} must be at least 1")
+    model_config(cfg)  # raises if n_embd % n_head
+    return device, resolve_dtype(cfg.dtype, device)
+
+
+def train(cfg, given=frozenset()):
+    device, dtype = setup(cfg, given)
+    data = load_data(cfg)
+    torch.manual_seed(cfg.seed)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    model = GPT(model_config(cfg)).to(device)
+    optimizer = make_optimizer(model, cfg, device)
+    engines = build_engines(cfg, model, device, dtype, cfg.mode, log=print)
+    split = Split(cfg.gradient_accumulation_steps,
+                  cfg.ane_fraction if cfg.mode == 'hetero' else ('1' if cfg.mode == 'ane' else '0'))
+    step = HeteroStep(model, engines, split, log=lambda s: tqdm_write(s))
+    it, tokens, elapsed, best_val = 0, 0, 0.0, float('inf')
+    if cfg.resume:
+        if not os.path.exists(ckpt_path):
+            raise UserError(f"--resume: no checkpoint at {ckpt_path}")
+        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
+        if ck['model_args'] != dataclasses.asdict(model.config):
+            raise UserError(f"checkpoint is for {ck['model_args']}, not {dataclasses.asdict(model.config)}")
+        model.load_state_dict(ck['model'])
+        optimizer.load_state_dict(ck['optimizer'])
+        it, tokens, elapsed, best_val = ck['iter_num'], ck['tokens'], ck['elapsed'], ck['best_val_loss']
+        split.load_state_dict(ck['split'])
+        if 'ane' in engines:
+            engines['ane'].scaler.scale = ck['loss_scale']
+        print(f"resumed from {ckpt_path} at step {it}")
+
+    def checkpoint():
+        save_checkpoint(ckpt_path, dict(
+            model=model.state_dict(), optimizer=optimizer.state_dict(),
+            model_args=dataclasses.asdict(model.config), iter_num=it, tokens=tokens, elapsed=elapsed,
+            best_val_loss=best_val, config=dataclasses.asdict(cfg), split=split.state_dict(),
+            loss_scale=engines['ane'].scaler.scale if 'ane' in engines else 1.0))
+
+    meter = EnergyMeter({device} | {e.device for e in engines.values() if hasattr(e, 'device')})
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"GPT-2 {n_params / 1e6:.2f}M parameters | mode {cfg.mode} | "
+          + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}")
+    tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
+    metrics = open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
+    evaluator = engines.get('gpu') or AutogradEngine(model, device, dtype)
+    bar = make_bar(cfg, it)
+    j0, t_log, tok_log = meter.joules(), time.perf_counter(), 0
+    try:
+        while it < cfg.max_iters:
+            lr = get_lr(cfg, it)
+            for g in optimizer.param_groups:
+                g['lr'] = lr
+            t0 = time.perf_counter()
+            out = step(step_batches(cfg, data['train'], it))
+            if out['used']:
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            it += 1
+            tokens += tok_per_step
+            tok_log += tok_per_step
+            elapsed += time.perf_counter() - t0
+            row = None
+            if it % cfg.log_interval == 0 or it == cfg.max_iters:
+                dt = time.perf_counter() - t_log
+                row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
+                           elapsed=elapsed, mode=cfg.mode, ane_microbatches=split.assign(step.alive),
+                           microbatches=split.n, dropped=dict(step.dropped), skipped=step.skipped)
+                for n, r in out['results'].items():
+                    if 'seconds' in r:
+                        row[f'{n}_tokens_per_s'] = r['n'] * cfg.batch_size * cfg.block_size / r['seconds']
+                if 'ane' in engines:
+                    row['loss_scale'] = engines['ane'].scaler.scale
+                j = meter.joules()
+                if j is not None:
+                    row['joules_per_token'] = (j - j0) / tok_log
+                    j0 = j
+                t_log, tok_log = time.perf_counter(), 0
+            if it % cfg.eval_interval == 0 or it == cfg.max_iters:
+                val = evaluate(model, evaluator, cfg, data['val'])
+                best_val = min(best_val, val)
+                row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
+                    val_loss=val, val_ppl=math.exp(min(val, 50)))
+                checkpoint()
+            if row:
+                metrics.write(json.dumps(row) + '\n')
+                metrics.flush()
+                bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
+                                 if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches')})
+                if bar.disable:
+                    print(' '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in row.items()))
+            bar.update(1)
+    except KeyboardInterrupt:
+        checkpoint()
+        bar.close()
+        print(f"\ninterrupted: checkpoint saved at step {it} in {ckpt_path}; continue with --resume")
+        return model
+    bar.close()
+    metrics.close()
+    if cfg.sample_tokens > 0:
+        import prepare_data
+        enc = prepare_data.get_encoding()
+        start = torch.tensor([enc.encode('\n')], device=device)
+        with evaluator.autocast:
+            text = enc.decode(model.generate(start, cfg.sample_tokens)[0].tolist())
+        print('---- sample ----\n' + text)
+    return model
+
+
+def bench(cfg, given):
+    """GPU-only, ANE-only and hetero, one after another in this process, on the same
+    batches from the same initial weights: the paper's table."""
+    device, dtype = setup(cfg, given)
+    data = load_data(cfg)
+    torch.manual_seed(cfg.seed)
+    init = GPT(model_config(cfg)).state_dict()
+    tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
+    rows, warmup = {}, 3
+    for mode in ('gpu', 'ane', 'hetero'):
+        model = GPT(model_config(cfg)).to(device)
+        model.load_state_dict(init)
+        optimizer = make_optimizer(model, cfg, device)
+        engines = build_engines(cfg, model, device, dtype, mode)
+        split = Split(cfg.gradient_accumulation_steps,
+                      cfg.ane_fraction if mode == 'hetero' else ('1' if mode == 'ane' else '0'))
+        step = HeteroStep(model, engines, split)
+        meter = EnergyMeter({device} | {e.device for e in engines.values() if hasattr(e, 'device')})
+        for it in range(warmup + cfg.bench_iters):
+            if it == warmup:
+                device_synchronize(device)
+                t0, j0 = time.perf_counter(), meter.joules()
+            step(step_batches(cfg, data['train'], it))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        device_synchronize(device)
+        dt, j = time.perf_counter() - t0, meter.joules()
+        n_tok = tok_per_step * cfg.bench_iters
+        rows[mode] = dict(tok_s=n_tok / dt, j_tok=None if j is None else (j - j0) / n_tok,
+                          split=f"{split.assign(step.alive)}/{split.n}" if mode == 'hetero' else '-',
+                          engines=' + '.join(e.label for e in engines.values()), meter=meter.name)
+        print(f"{mode}: {rows[mode]}")
+        del model, optimizer, engines, step
+    g = rows['gpu']
+    print(f"\n{'mode':8} {'tokens/s':>10} {'x GPU-only':>10} {'J/token':>10} {'energy vs GPU':>14}  ANE share")
+    for mode, r in rows.items():
+        jt = f"{r['j_tok']:.4g}" if r['j_tok'] is not None else 'n/a'
+        dj = f"{100 * (r['j_tok'] / g['j_tok'] - 1):+.1f}%" if r['j_tok'] and g['j_tok'] else 'n/a'
+        print(f"{mode:8} {r['tok_s']:10.0f} {r['tok_s'] / g['tok_s']:10.3f} {jt:>10} {dj:>14}  {r['split']}")
+    s = rows['gpu']['tok_s'] + rows['ane']['tok_s']
+    print(f"hetero / (gpu + ane alone) = {rows['hetero']['tok_s'] / s:.3f}")
+    return rows
+
+
+def make_bar(cfg, start):
+    from tqdm import tqdm
+    return tqdm(total=cfg.max_iters, initial=start, disable=cfg.quiet, dynamic_ncols=True, desc='train')
+
+
+def tqdm_write(s):
+    from tqdm import tqdm
+    tqdm.write(s)
+
+
+def main(argv=None):
+    cfg, given = parse_args(argv)
+    try:
+        if cfg.bench:
+            bench(cfg, given)
+        else:
+            train(cfg, given)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == '__main__':
+    main()
