@@ -497,22 +497,31 @@ def dense_input_shapes(cfg, B, T):
 
 
 # ---- the host side: the sparse work the dense program leaves out
-def host_inputs(params, cfg, idx, targets, loss_scale):
-    """Dense inputs from the weights (nanoGPT names) and one microbatch: embedding lookup
-    x0 = wte[idx] + wpe[:T], target rows wte[targets], q/k/v slices, vocab chunks."""
-    T = idx.shape[1]
-    wte = params['transformer.wte.weight']
-    inp = {'x0': (wte[idx] + params['transformer.wpe.weight'][:T]).reshape(-1, cfg.n_embd),
-           'wte_tgt': wte[targets.reshape(-1)],
-           'loss_scale': torch.full((1, 1), float(loss_scale), dtype=wte.dtype, device=wte.device),
-           'lnf_w': params['transformer.ln_f.weight'], 'lnf_b': params['transformer.ln_f.bias']}
+def host_weights(params, cfg):
+    """The dense program's weight inputs from nanoGPT's names: the same tensors, with
+    c_attn sliced into q/k/v rows and the (tied) embedding into vocabulary chunks."""
+    inp = {'lnf_w': params['transformer.ln_f.weight'], 'lnf_b': params['transformer.ln_f.bias']}
     for l in range(cfg.n_layer):
         for k, (name, third) in BLOCK_PARAMS.items():
             w = params[f'transformer.h.{l}.{name}']
             inp[f'h{l}_{k}'] = w if third is None else w.chunk(3, 0)[third]
     for j, (a, b) in enumerate(vocab_chunks(cfg.vocab_size)):
-        inp[f'wte_{j}'] = wte[a:b]
+        inp[f'wte_{j}'] = params['transformer.wte.weight'][a:b]
     return inp
+
+
+def host_batch(wte, wpe, cfg, idx, targets, loss_scale):
+    """The dense program's per-microbatch inputs: the sparse work done on the host.
+    x0 = wte[idx] + wpe[:T] (embedding lookup), wte_tgt = wte[targets] (target rows)."""
+    T = idx.shape[1]
+    return {'x0': (wte[idx] + wpe[:T]).reshape(-1, cfg.n_embd),
+            'wte_tgt': wte[targets.reshape(-1)],
+            'loss_scale': torch.full((1, 1), float(loss_scale), dtype=wte.dtype, device=wte.device)}
+
+
+def host_inputs(params, cfg, idx, targets, loss_scale):
+    return host_weights(params, cfg) | host_batch(params['transformer.wte.weight'],
+                                                  params['transformer.wpe.weight'], cfg, idx, targets, loss_scale)
 
 
 def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
@@ -610,7 +619,271 @@ def eager_loss_and_grads(cfg, w, idx, targets, dtype, device, loss_scale):
         out_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         return loss.reshape(()).to(out_dtype), host_grads(g, cfg, idx, targets, loss_scale, out_dtype)
 
-# @@CORE_ML_SECTION@@
+# -----------------------------------------------------------------------------
+# 4. The Core ML program: the same dense_step, recorded by coremltools' MIL builder.
+#
+# MILOps mirrors TorchOps, but each call adds an op to a MIL program instead of
+# computing. The result is one ML Program that takes the weights and one microbatch's
+# dense inputs (fp16) and returns the loss and every gradient (fp16). Weights are inputs,
+# not constants, so one compiled program serves every step. Opset macOS13: the first
+# with fp16 inputs and outputs, so no fp32<->fp16 casts at the program's edges.
+
+
+class MILTensor:
+    """A MIL variable with Python's arithmetic operators, so dense_step's `a * b + c`
+    records mul and add ops. Python floats become fp16 constants."""
+
+    def __init__(self, var):
+        self.v = var
+
+    @property
+    def shape(self):
+        return tuple(self.v.shape)
+
+    def _bin(self, op, other, swap=False):
+        from coremltools.converters.mil import Builder as mb
+        y = other.v if isinstance(other, MILTensor) else np.float16(other)
+        x, y = (y, self.v) if swap else (self.v, y)
+        return MILTensor(getattr(mb, op)(x=x, y=y))
+
+    def __add__(self, o): return self._bin('add', o)
+    def __radd__(self, o): return self._bin('add', o, swap=True)
+    def __sub__(self, o): return self._bin('sub', o)
+    def __rsub__(self, o): return self._bin('sub', o, swap=True)
+    def __mul__(self, o): return self._bin('mul', o)
+    def __rmul__(self, o): return self._bin('mul', o, swap=True)
+    def __truediv__(self, o): return self._bin('real_div', o)
+
+
+class MILOps:
+    """MIL backend of the derivation: every op is one the ANE runs (ANE_NOTES)."""
+
+    def __init__(self):
+        from coremltools.converters.mil import Builder as mb
+        self.mb = mb
+
+    def _u(self, op, x, **kw):
+        return MILTensor(getattr(self.mb, op)(x=x.v, **kw))
+
+    def matmul(self, a, b, ta=False, tb=False):
+        return MILTensor(self.mb.matmul(x=a.v, y=b.v, transpose_x=ta, transpose_y=tb))
+
+    def exp(self, x): return self._u('exp', x)
+    def log(self, x): return self._u('log', x)
+    def tanh(self, x): return self._u('tanh', x)
+    def rsqrt(self, x): return self._u('rsqrt', x)
+    def sum(self, x, axis, keep=True): return self._u('reduce_sum', x, axes=[axis], keep_dims=keep)
+    def mean(self, x, axis): return self._u('reduce_mean', x, axes=[axis], keep_dims=True)
+    def max(self, x, axis): return self._u('reduce_max', x, axes=[axis], keep_dims=True)
+    def softmax(self, x, axis): return self._u('softmax', x, axis=axis)
+    def reshape(self, x, shape): return self._u('reshape', x, shape=list(shape))
+    def transpose(self, x, perm): return self._u('transpose', x, perm=list(perm))
+
+    def maximum(self, a, b):
+        return MILTensor(self.mb.maximum(x=a.v, y=b.v))
+
+    def causal_mask(self, T):  # a constant of the program, as TorchOps.causal_mask
+        return MILTensor(self.mb.const(val=np.triu(np.full((T, T), -1e4, np.float16), 1)))
+
+
+PROGRAM_FORMAT = 1  # bump when the program's inputs or outputs change meaning
+
+
+def build_coreml_program(cfg, B, T):
+    """dense_step(MILOps) as a MIL Program: inputs dense_input_shapes(cfg, B, T) in fp16,
+    outputs 'loss' (1, 1) and 'd_<input>' for every input but loss_scale."""
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import Function, Program, types
+    check_ane_shapes(cfg, B, T)
+    shapes = dense_input_shapes(cfg, B, T)
+    placeholders = {k: mb.placeholder(shape=s, dtype=types.fp16) for k, s in shapes.items()}
+    with Function(placeholders, opset_version=ct.target.macOS13) as fn:
+        loss, grads = dense_step(MILOps(), cfg, B, T, {k: MILTensor(v) for k, v in fn.inputs.items()})
+        fn.set_outputs([mb.identity(x=loss.v, name='loss')] +
+                       [mb.identity(x=grads[k].v, name='d_' + k) for k in shapes if k != 'loss_scale'])
+    prog = Program()
+    prog.add_function('main', fn)
+    return prog
+
+
+def check_ane_shapes(cfg, B, T):
+    if B * T > ANE_MAX_DIM:
+        raise UserError(f"microbatch of {B}x{T} = {B * T} tokens: the ANE program keeps tokens on one "
+                        f"axis, which must be at most {ANE_MAX_DIM}; use a smaller --microbatch")
+    if T > cfg.block_size:
+        raise UserError(f"sequence length {T} is longer than block_size {cfg.block_size}")
+
+
+def package_meta(cfg, B, T):
+    return dict(format=PROGRAM_FORMAT, microbatch=B, seq_len=T, **dataclasses.asdict(cfg))
+
+
+def export_coreml(cfg, B, T, path):
+    """Builds the program and saves it as an .mlpackage at `path` (atomically: a crash
+    leaves no half-written package under that name)."""
+    import shutil
+    import coremltools as ct
+    prog = build_coreml_program(cfg, B, T)
+    model = ct.convert(prog, convert_to='mlprogram', compute_precision=ct.precision.FLOAT16,
+                       minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
+    model.user_defined_metadata['heterogpt'] = json.dumps(package_meta(cfg, B, T))
+    model.short_description = f"HeteroEngine GPT-2 training step, microbatch {B}x{T}"
+    tmp = path.rstrip('/') + '.tmp.mlpackage'  # coremltools insists on the extension
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def read_package_meta(path):
+    import coremltools as ct
+    if not os.path.isdir(path):
+        raise UserError(f"no Core ML package at {path}: make one with `python export_ane.py --out {path}`")
+    try:
+        spec = ct.utils.load_spec(path)
+        return spec, json.loads(spec.description.metadata.userDefined['heterogpt'])
+    except Exception as e:
+        raise UserError(f"{path} is not a HeteroEngine Core ML package ({e}); re-export it with export_ane.py")
+
+
+def load_coreml_program(path):
+    """The saved package read back into a MIL Program (works on Linux)."""
+    import coremltools as ct
+    from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+    model = ct.models.MLModel(path, skip_model_load=True)
+    spec = model.get_spec()
+    return milproto_load(spec, specification_version=spec.specificationVersion,
+                         file_weights_dir=model.weights_dir or '')
+
+
+def numpy_predict(prog):
+    """A stand-in for Core ML's predict off macOS: evaluates the program op by op in NumPy,
+    each op's result rounded to the dtype the program declares (fp16 here), through the
+    ops' own value_inference. Slow; for checking the program, not for training."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import Function, types
+    f = prog.functions['main']
+
+    def plain(v):  # NumPy 2: loaded bool params are np.bool_, which reductions reject
+        return bool(v) if isinstance(v, np.bool_) or (isinstance(v, np.ndarray) and v.dtype == np.bool_ and v.ndim == 0) else v
+
+    def matmul(kw):  # fp16 operands, fp32 accumulation (as the ANE), fp16 result; and fast
+        x, y = kw['x'].astype(np.float32), kw['y'].astype(np.float32)
+        x = np.swapaxes(x, -1, -2) if kw.get('transpose_x') else x
+        y = np.swapaxes(y, -1, -2) if kw.get('transpose_y') else y
+        return (x @ y,)
+
+    def predict(inputs):
+        env = {}
+        for name, var in f.inputs.items():
+            a = np.asarray(inputs[name]).astype(types.nptype_from_builtin(var.dtype))
+            if a.shape != tuple(var.shape):
+                raise ValueError(f"input {name}: shape {a.shape}, program expects {tuple(var.shape)}")
+            env[name] = a
+
+        def val(v):
+            return env[v.name] if v.name in env else v.val
+        with Function({}, opset_version=f.opset_version):
+            for op in f.operations:
+                if op.op_type == 'const':
+                    env[op.outputs[0].name] = op.outputs[0].val
+                    continue
+                kw = {k: [plain(val(x)) for x in v] if isinstance(v, (list, tuple)) else plain(val(v))
+                      for k, v in op.inputs.items()}
+                if op.op_type == 'matmul':
+                    res = matmul(kw)
+                else:
+                    new = mb._add_op(type(op), name=op.name, **kw)  # runs the op's value_inference
+                    res = tuple(o.val for o in (new if isinstance(new, (list, tuple)) else [new]))
+                    if any(r is None for r in res):
+                        raise NotImplementedError(f"no NumPy evaluation for MIL op {op.op_type}")
+                for o, r in zip(op.outputs, res):
+                    env[o.name] = np.asarray(r).astype(types.nptype_from_builtin(o.dtype))
+        return {o.name: env[o.name] for o in f.outputs}
+    return predict
+
+
+def coreml_predict_fn(path):
+    """THE macOS SEAM: Core ML's predict on CPU + Neural Engine. Everything else in this
+    file runs anywhere. Off macOS we evaluate the saved program in NumPy instead."""
+    if ON_MAC:
+        import coremltools as ct
+        return ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE).predict
+    return numpy_predict(load_coreml_program(path))
+
+
+class CoreMLEngine:
+    """The ANE engine: the saved Core ML program, fed by the host's sparse work."""
+    name = 'ane'
+    device = torch.device('cpu')
+
+    def __init__(self, path, predict=None, config=None, microbatch=None, scaler=None):
+        _, meta = read_package_meta(path)
+        if meta.get('format') != PROGRAM_FORMAT:
+            raise UserError(f"{path} was exported by another version of HeteroEngine; re-export it")
+        self.path, self.B, self.T = path, meta['microbatch'], meta['seq_len']
+        self.cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
+        self.check(config, microbatch)
+        self.predict = predict or coreml_predict_fn(path)
+        self.holds_gil = predict is None and ON_MAC  # Core ML's predict does (ANE_NOTES)
+        self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
+        self.w, self.keep = None, None
+        self.label = f"Core ML program {os.path.basename(path)}" + ('' if ON_MAC else ' (NumPy evaluator)')
+
+    def check(self, config=None, microbatch=None):
+        want = (config, microbatch)
+        have = (self.cfg, (self.B, self.T))
+        if (config is not None and config != self.cfg) or (microbatch is not None and tuple(microbatch) != have[1]):
+            c = config or self.cfg
+            b, t = microbatch or have[1]
+            raise UserError(
+                f"{self.path} was exported for {self.cfg} and microbatch {self.B}x{self.T}, not {want}: "
+                f"re-export with `python export_ane.py --n_layer {c.n_layer} --n_head {c.n_head} --n_embd {c.n_embd} "
+                f"--block_size {c.block_size} --vocab_size {c.vocab_size} --microbatch {b} --seq_len {t} --out {self.path}`")
+
+    def load_weights(self, params):
+        # fp16 copies of the weights, refreshed once per step into the same buffers
+        w = host_weights({k: p.detach() for k, p in params.items()}, self.cfg)
+        if self.w is None:
+            self.w = {k: np.empty(tuple(v.shape), np.float16) for k, v in w.items()}
+        for k, v in w.items():
+            np.copyto(self.w[k], v.float().cpu().numpy(), casting='same_kind')
+        self.wte = params['transformer.wte.weight'].detach().float().cpu()
+        self.wpe = params['transformer.wpe.weight'].detach().float().cpu()
+
+    def loss_and_grads(self, idx, targets):
+        if tuple(idx.shape) != (self.B, self.T):
+            self.check(microbatch=tuple(idx.shape))
+        idx, targets = idx.cpu(), targets.cpu()
+        batch = host_batch(self.wte, self.wpe, self.cfg, idx, targets, self.scaler.scale)
+        inputs = dict(self.w, **{k: v.numpy().astype(np.float16) for k, v in batch.items()})
+        # Core ML frees input buffers later, on its own queue: keep this microbatch's
+        # arrays alive until the next call (ANE_NOTES; coremltools #2827, #2829)
+        self.keep = inputs
+        out = self.predict(inputs)
+        g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in out.items() if k.startswith('d_')}
+        loss = torch.tensor(float(np.asarray(out['loss']).reshape(-1)[0]))
+        return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
+
+    def synchronize(self):
+        pass
+
+
+def ensure_coreml_package(cfg, log=print):
+    """The package --mode ane/hetero needs: reused if one exported for this configuration
+    exists, else exported now."""
+    mcfg = model_config(cfg)
+    path = cfg.ane_package or os.path.join(cfg.out_dir, f'ane_B{cfg.batch_size}_T{cfg.block_size}.mlpackage')
+    if os.path.isdir(path):
+        _, meta = read_package_meta(path)
+        if meta == package_meta(mcfg, cfg.batch_size, cfg.block_size):
+            return path
+        log(f"{path} was exported for other shapes: exporting again")
+    log(f"exporting the Core ML training program to {path} ...")
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    export_coreml(mcfg, cfg.batch_size, cfg.block_size, path)
+    return path
 
 # -----------------------------------------------------------------------------
 # 5. Engines. Each computes (loss, grads) for one microbatch from the current weights:
