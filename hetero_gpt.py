@@ -900,7 +900,8 @@ class AutogradEngine:
     def __init__(self, model, device, dtype, compile=False):
         self.model, self.device = model, device
         self.forward = torch.compile(model) if compile else model
-        self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
+        # bf16/fp16: autocast over fp32 master weights; fp32/fp64: the weights' own dtype
+        self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16)
                          else contextlib.nullcontext())
         self.params = list(model.named_parameters())
         self.scaler = LossScaler(1.0, 0, enabled=False)  # bf16/fp32 need no loss scale
@@ -1021,7 +1022,8 @@ def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
         for i, (idx, targets) in enumerate(microbatches):
             l, g = engine.loss_and_grads(idx, targets)
             if acc is None:
-                acc = {k: v.float() if v.dtype != torch.float32 else v.clone() for k, v in g.items()}
+                # sum in fp32 at least (fp16/bf16 gradients are widened; fp64 stays fp64)
+                acc = {k: v.clone() if v.dtype in (torch.float32, torch.float64) else v.float() for k, v in g.items()}
             else:
                 for k, v in g.items():
                     acc[k] += v
@@ -1397,7 +1399,7 @@ def train(cfg, given=frozenset()):
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    model = GPT(model_config(cfg)).to(device)
+    model = GPT(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
     optimizer = make_optimizer(model, cfg, device)
     engines = build_engines(cfg, model, device, dtype, cfg.mode, log=print)
     split = Split(cfg.gradient_accumulation_steps,
