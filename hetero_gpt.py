@@ -260,6 +260,10 @@ _KNOWN_CONFIGS = set()  # configs of every GPT built in this process (to infer n
 
 class TorchOps:
     """PyTorch backend of the derivation: eager, no autograd, any device and dtype."""
+    # Eager PyTorch keeps every cached tensor alive until the backward: the (B, H, T, T)
+    # attention probabilities would be the largest of them (16 bytes per token per head
+    # per context position in fp32), so this backend recomputes them in the backward.
+    recompute_attention = True
 
     def __init__(self, dtype, device):
         self.dtype, self.device = dtype, device
@@ -328,7 +332,12 @@ GELU_K = math.sqrt(2.0 / math.pi)
 def gelu_forward(o, x):
     # y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3)
     t = o.tanh((x + 0.044715 * x * x * x) * GELU_K)
-    return 0.5 * x * (1.0 + t), (x, t)
+    return gelu_output((x, t)), (x, t)
+
+
+def gelu_output(cache):
+    x, t = cache
+    return 0.5 * x * (1.0 + t)
 
 
 def gelu_backward(o, dy, cache):
@@ -346,18 +355,26 @@ def merge_heads(o, x, B, T):  # (B, H, T, D) -> (N, C)
     return o.reshape(o.transpose(x, (0, 2, 1, 3)), (B * T, -1))
 
 
+def attention_probs(o, q, k, T):
+    # P = softmax(q k^T / sqrt(D) + mask), per head: (B, H, T, T)
+    return o.softmax(o.matmul(q, k, tb=True) * (1.0 / math.sqrt(q.shape[-1])) + o.causal_mask(T), -1)
+
+
 def attention_forward(o, q, k, v, B, T, H):
-    # P = softmax(q k^T / sqrt(D) + mask), y = P v
+    # y = P v
     q, k, v = heads(o, q, B, T, H), heads(o, k, B, T, H), heads(o, v, B, T, H)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    p = o.softmax(o.matmul(q, k, tb=True) * scale + o.causal_mask(T), -1)
-    return merge_heads(o, o.matmul(p, v), B, T), (q, k, v, p, scale)
+    p = attention_probs(o, q, k, T)
+    y = merge_heads(o, o.matmul(p, v), B, T)
+    return y, (q, k, v, None if getattr(o, 'recompute_attention', False) else p)
 
 
 def attention_backward(o, dy, cache, B, T, H):
     # dv = P^T dy, dP = dy v^T, dS = P * (dP - rowsum(dP * P)) (softmax backward),
     # dq = dS k * scale, dk = dS^T q * scale. The mask is a constant: no gradient.
-    q, k, v, p, scale = cache
+    q, k, v, p = cache
+    T, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
+    if p is None:
+        p = attention_probs(o, q, k, T)
     dy = heads(o, dy, B, T, H)
     dv = o.matmul(p, dy, ta=True)
     dp = o.matmul(dy, v, tb=True)
@@ -390,14 +407,14 @@ def block_forward(o, x, p, B, T, H):
     h = linear_forward(o, m, p['wfc'], p['bfc'])
     g, gelu = gelu_forward(o, h)
     x = x + linear_forward(o, g, p['wpr'], p['bpr'])
-    return x, (a, ln1, y, att, m, ln2, g, gelu)
+    return x, (a, ln1, y, att, m, ln2, gelu)  # not g: gelu_output(gelu) remakes it
 
 
 def block_backward(o, dx, p, cache, B, T, H):
     # the forward's calls in reverse; a residual add passes dx through unchanged
-    a, ln1, y, att, m, ln2, g, gelu = cache
+    a, ln1, y, att, m, ln2, gelu = cache
     d = {}
-    dg, d['wpr'], d['bpr'] = linear_backward(o, dx, g, p['wpr'])
+    dg, d['wpr'], d['bpr'] = linear_backward(o, dx, gelu_output(gelu), p['wpr'])
     dh = gelu_backward(o, dg, gelu)
     dm, d['wfc'], d['bfc'] = linear_backward(o, dh, m, p['wfc'])
     dmx, d['ln2_w'], d['ln2_b'] = layernorm_backward(o, dm, p['ln2_w'], ln2)
@@ -1390,6 +1407,8 @@ def setup(cfg, given, log=print):
         if getattr(cfg, k) < 1:
             raise UserError(f"--{k} must be at least 1")
     model_config(cfg)  # raises if n_embd % n_head
+    if device.type == 'cuda':  # as nanoGPT: fp32 matmuls on tensor cores (TF32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return device, resolve_dtype(cfg.dtype, device)
 
 
