@@ -911,11 +911,24 @@ def ensure_coreml_package(cfg, log=print):
 # CoreMLEngine:   the derivation as a Core ML program on the ANE (section 4).
 
 
+def engine_stream(device):
+    """Each engine on a CUDA device gets its own stream, so two engines on one GPU overlap
+    instead of queueing behind each other on the default stream."""
+    return torch.cuda.Stream(device) if device.type == 'cuda' else None
+
+
+def on_stream(stream):
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))  # weights written there first
+    return torch.cuda.stream(stream)
+
+
 class AutogradEngine:
     name, holds_gil = 'gpu', False
 
     def __init__(self, model, device, dtype, compile=False):
-        self.model, self.device = model, device
+        self.model, self.device, self.stream = model, device, engine_stream(device)
         self.forward = torch.compile(model) if compile else model
         # bf16/fp16: autocast over fp32 master weights; fp32/fp64: the weights' own dtype
         self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16)
@@ -930,14 +943,14 @@ class AutogradEngine:
     def loss_and_grads(self, idx, targets):
         for _, p in self.params:
             p.grad = None
-        with self.autocast:
+        with on_stream(self.stream), self.autocast:
             _, loss = self.forward(idx.to(self.device, non_blocking=True),
                                    targets.to(self.device, non_blocking=True))
-        loss.backward()
+            loss.backward()
         return loss.detach(), {n: p.grad for n, p in self.params}
 
     def synchronize(self):
-        device_synchronize(self.device)
+        device_synchronize(self.device, self.stream)
 
 
 class EagerEngine:
@@ -945,7 +958,7 @@ class EagerEngine:
 
     def __init__(self, cfg, device, dtype, scaler):
         self.cfg, self.device, self.dtype, self.scaler = cfg, device, dtype, scaler
-        self.w = None
+        self.w, self.stream = None, engine_stream(device)
         self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
 
     def load_weights(self, params):
@@ -956,15 +969,18 @@ class EagerEngine:
             self.w[k].copy_(p.detach())
 
     def loss_and_grads(self, idx, targets):
-        return eager_loss_and_grads(self.cfg, self.w, idx.to(self.device), targets.to(self.device),
-                                    self.dtype, self.device, self.scaler.scale)
+        with on_stream(self.stream):
+            return eager_loss_and_grads(self.cfg, self.w, idx.to(self.device), targets.to(self.device),
+                                        self.dtype, self.device, self.scaler.scale)
 
     def synchronize(self):
-        device_synchronize(self.device)
+        device_synchronize(self.device, self.stream)
 
 
-def device_synchronize(device):
-    if device.type == 'cuda':
+def device_synchronize(device, stream=None):
+    if stream is not None:
+        stream.synchronize()
+    elif device.type == 'cuda':
         torch.cuda.synchronize(device)
     elif device.type == 'mps':
         torch.mps.synchronize()
@@ -1128,9 +1144,14 @@ class HeteroStep:
         for pn, p in self.params.items():
             g = None
             for r in used.values():
-                gi = r['grads'][pn].to(p.device, non_blocking=True)
+                gi = r['grads'][pn].to(p.device)
                 g = gi if g is None else g + gi
             p.grad = g.div_(n).to(p.dtype)
+        master = next(iter(self.params.values())).device
+        if master.type == 'cuda' and any(getattr(e, 'stream', None) is not None for e in self.engines.values()):
+            # the engines' gradient buffers were made on their streams and are freed after
+            # this step: let the default stream finish reading them before they are reused
+            torch.cuda.current_stream(master).synchronize()
         return dict(loss=sum(r['loss'] for r in used.values()) / n, used=sorted(used), results=results)
 
 

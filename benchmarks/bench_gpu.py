@@ -1,0 +1,51 @@
+"""
+The GPU engine's training step at nanoGPT's bench.py settings: GPT-2 124M, batch 12 x 1024,
+10 warm-up and 20 timed steps (forward, backward, AdamW), as hetero_gpt.py trains it
+(AutogradEngine + HeteroStep + fused AdamW). Prints ms/iter (mean over the timed steps,
+as bench.py does, and the median step) and tokens/s.
+
+    python benchmarks/bench_gpu.py --dtype bfloat16 --compile
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hetero_gpt as hg  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument('--dtype', default='bfloat16')
+p.add_argument('--compile', action='store_true')
+p.add_argument('--vocab_size', type=int, default=50257)
+p.add_argument('--batch_size', type=int, default=12)
+p.add_argument('--block_size', type=int, default=1024)
+a = p.parse_args()
+
+cfg, _ = hg.parse_args(['--device', 'cuda', '--dtype', a.dtype, '--vocab_size', str(a.vocab_size),
+                        '--batch_size', str(a.batch_size), '--block_size', str(a.block_size),
+                        '--gradient_accumulation_steps', '1'] + (['--compile'] if a.compile else []))
+device, dtype = hg.setup(cfg, set())
+torch.manual_seed(1337)
+model = hg.GPT(hg.model_config(cfg)).to(device)
+optimizer = hg.make_optimizer(model, cfg, device)
+step = hg.HeteroStep(model, hg.build_engines(cfg, model, device, dtype, 'gpu'), hg.Split(1, '0'))
+x = torch.randint(a.vocab_size, (a.batch_size, a.block_size), device=device)
+y = torch.randint(a.vocab_size, (a.batch_size, a.block_size), device=device)
+times = []
+for k in range(30):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step([(x, y)])
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - t0)
+timed = times[10:]
+ms = 1000 * sum(timed) / len(timed)
+print(f"heterogpt dtype={a.dtype} compile={a.compile} vocab={a.vocab_size}: time per iteration: {ms:.4f}ms "
+      f"(median {1000 * statistics.median(timed):.4f}ms), {a.batch_size * a.block_size / (ms / 1000):.0f} tokens/s, "
+      f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
