@@ -943,9 +943,10 @@ class AutogradEngine:
     def loss_and_grads(self, idx, targets):
         for _, p in self.params:
             p.grad = None
-        with on_stream(self.stream), self.autocast:
-            _, loss = self.forward(idx.to(self.device, non_blocking=True),
-                                   targets.to(self.device, non_blocking=True))
+        with on_stream(self.stream):
+            with self.autocast:  # the forward only: backward ops take their forward's dtypes
+                _, loss = self.forward(idx.to(self.device, non_blocking=True),
+                                       targets.to(self.device, non_blocking=True))
             loss.backward()
         return loss.detach(), {n: p.grad for n, p in self.params}
 
