@@ -28,6 +28,7 @@ import platform
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -83,6 +84,7 @@ class Config:
     # evaluation, logging, checkpoints
     eval_interval: int = opt(100, "evaluate validation loss every this many steps")
     eval_iters: int = opt(20, "validation batches per evaluation (0: the full validation split)")
+    eval_seconds: float = opt(0.0, "also evaluate each time training time passes a multiple of this (0: off)")
     log_interval: int = opt(10, "print and log training metrics every this many steps")
     out_dir: str = opt('out', "checkpoints and metrics.jsonl go here")
     resume: bool = opt(False, "resume from out_dir/ckpt.pt")
@@ -625,7 +627,8 @@ def manual_loss_and_grads(params, idx, targets, *, dtype=torch.float32, device=N
 
 
 def grads_finite(grads):
-    return bool(torch.stack([torch.isfinite(g).all() for g in grads.values()]).all())
+    # one fused pass: a tensor's norm is finite exactly when all its elements are
+    return bool(torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all())
 
 
 def eager_loss_and_grads(cfg, w, idx, targets, dtype, device, loss_scale):
@@ -1088,13 +1091,16 @@ class HeteroStep:
         self.model, self.engines, self.split, self.log = model, engines, split, log
         self.params = dict(model.named_parameters())
         self.alive = set(engines)
+        # one long-lived thread per engine: a new thread every step would pay CUDA's
+        # per-thread set-up (cuBLAS handles, workspaces) every step
+        self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
         self.skipped = 0  # steps with no usable gradient at all (no update)
 
     def __call__(self, microbatches):
         k = self.split.assign(self.alive)
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
-        results, threads = {}, []
+        results, futures = {}, []
         for name in self.alive:
             if name != 'gpu' and shares[name]:
                 self.engines[name].load_weights(self.params)
@@ -1110,13 +1116,10 @@ class HeteroStep:
                 continue
             results[name] = {}
             wait = enqueued if (name != 'gpu' and gil_bound and shares['gpu'] and 'gpu' in self.alive) else None
-            t = threading.Thread(target=run_engine, daemon=True,
-                                 args=(self.engines[name], shares[name], results[name], wait,
-                                       enqueued if name == 'gpu' else None))
-            t.start()
-            threads.append(t)
-        for t in threads:
-            t.join()
+            futures.append(self.threads[name].submit(run_engine, self.engines[name], shares[name], results[name],
+                                                     wait, enqueued if name == 'gpu' else None))
+        for f in futures:
+            f.result()
         return self._combine(results)
 
     def _combine(self, results):
@@ -1476,6 +1479,7 @@ def train(cfg, given=frozenset()):
     metrics = open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
     evaluator = engines.get('gpu') or AutogradEngine(model, device, dtype)
     bar = make_bar(cfg, it)
+    next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0
     j0, t_log, tok_log = meter.joules(), time.perf_counter(), 0
     try:
         while it < cfg.max_iters:
@@ -1509,7 +1513,12 @@ def train(cfg, given=frozenset()):
                     row['joules_per_token'] = (j - j0) / tok_log
                     j0 = j
                 t_log, tok_log = time.perf_counter(), 0
-            if it % cfg.eval_interval == 0 or it == cfg.max_iters:
+            timed_eval = cfg.eval_seconds > 0 and elapsed >= next_eval_s
+            if timed_eval:  # at fixed training time (steps only; evaluation is not counted)
+                row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(eval_at_seconds=next_eval_s)
+                while next_eval_s <= elapsed:
+                    next_eval_s += cfg.eval_seconds
+            if it % cfg.eval_interval == 0 or it == cfg.max_iters or timed_eval:
                 val = evaluate(model, evaluator, cfg, data['val'])
                 best_val = min(best_val, val)
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
