@@ -2,8 +2,8 @@
 Does training on two engines cost model quality? The paper's claim: hetero (GPU + ANE)
 matches GPU-only validation perplexity, and ANE-only (fp16) is slightly worse.
 
-    python compare.py --dataset shakespeare --seeds 3 [--margin 0.01] [--alpha 0.05] \
-                      [--out_dir out/compare] [any hetero_gpt.py flag, e.g. --max_iters 2000]
+    python compare.py --dataset shakespeare --seeds 3 [--margin 0.01] [--alpha 0.05]
+        [--out_dir out/compare] [any hetero_gpt.py flag, e.g. --max_iters 2000]
 
 For each seed 1..N and each mode (gpu, ane, hetero) this trains hetero_gpt.py once, into
 out_dir/<mode>_s<seed>/. The same seed gives the same initial weights and the same
@@ -73,12 +73,17 @@ def betainc(a, b, x):
 
 def t_cdf(t, df):
     """P(T <= t), T ~ Student's t with df degrees of freedom. With x = df / (df + t^2) the
-    two tails together are P(|T| > |t|) = I_x(df/2, 1/2), and each tail is half of that."""
+    two tails together are P(|T| > |t|) = I_x(df/2, 1/2), and each tail is half of that;
+    equivalently P(|T| < |t|) = I_(1-x)(1/2, df/2). We use the form whose argument is at
+    most 1/2, so that it is computed without cancellation (1 - x for x near 1 is not)."""
     if df <= 0:
         raise ValueError(f"degrees of freedom must be positive, got {df}")
     if math.isinf(t):
         return 1.0 if t > 0 else 0.0
-    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
+    if t * t >= df:
+        tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
+    else:
+        tail = 0.5 - 0.5 * betainc(0.5, df / 2, t * t / (df + t * t))
     return 1.0 - tail if t > 0 else tail
 
 
@@ -125,7 +130,9 @@ def tost_paired(test, ref, margin=0.01, alpha=0.05):
       H0_upper: mean(d) >= hi, rejected when p_upper = P(T <= (mean - hi)/se) < alpha,
     T with n-1 df. Equivalent iff both are rejected (p = max(p_lower, p_upper) < alpha), which
     is the same as the (1-2 alpha) CI exp(mean +- t_(1-alpha, n-1) se) lying inside the bounds.
-    Identical pairs (se = 0): equivalent iff mean(d) is strictly inside, with p = 0."""
+    All ratios equal (se = 0, e.g. identical runs): equivalent, with p = 0, iff mean(d) is inside."""
+    if not (0 < margin < 1 and 0 < alpha < 0.5):
+        raise ValueError(f"need 0 < margin < 1 and 0 < alpha < 0.5, got {margin} and {alpha}")
     d, mean, se = log_ratios(test, ref)
     lo, hi, df = math.log(1 - margin), math.log(1 + margin), d.size - 1
     if se > 0:
@@ -182,12 +189,12 @@ def run_one(flags, mode, seed, out_dir):
                                                    '--eval_iters', '0'])
     hg.setup(cfg, given, log=lambda s: None)  # fills in the CPU defaults, so max_iters is final
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in UNCHECKED}
-    metrics, saved_path = os.path.join(run_dir, 'metrics.jsonl'), os.path.join(run_dir, 'compare_config.json')
-    saved = None
+    metrics, ckpt = os.path.join(run_dir, 'metrics.jsonl'), os.path.join(run_dir, 'ckpt.pt')
+    saved_path, saved = os.path.join(run_dir, 'compare_config.json'), None
     if os.path.exists(saved_path):
         with open(saved_path) as f:
             saved = json.load(f)
-    if os.path.exists(metrics) and saved != settings:
+    if (os.path.exists(metrics) or os.path.exists(ckpt)) and saved != settings:
         diff = ', '.join(f'{k}: {(saved or {}).get(k)} there, {v} now' for k, v in settings.items()
                          if (saved or {}).get(k) != v)
         raise hg.UserError(f"{run_dir} holds a run with other settings ({diff}): use another --out_dir or delete it")
@@ -199,7 +206,7 @@ def run_one(flags, mode, seed, out_dir):
     os.makedirs(run_dir, exist_ok=True)
     with open(saved_path, 'w') as f:
         json.dump(settings, f, indent=1)
-    if os.path.exists(os.path.join(run_dir, 'ckpt.pt')):
+    if os.path.exists(ckpt):
         cfg.resume = True  # continue an interrupted run from its last checkpoint
     elif os.path.exists(metrics):
         os.remove(metrics)  # stopped before its first checkpoint: start over
@@ -211,13 +218,15 @@ def run_one(flags, mode, seed, out_dir):
     return rows
 
 
-def curve(seed_rows, key, x):
-    """Validation perplexity over seeds at each value of `key` that every seed evaluated:
-    mean of column x, and mean, min and max of val_ppl."""
-    evals = [{r[key]: r for r in rows if 'val_ppl' in r and key in r} for rows in seed_rows]
-    common = sorted(set.intersection(*(set(e) for e in evals)))
-    ppl = np.array([[e[k]['val_ppl'] for e in evals] for k in common]).reshape(len(common), len(evals))
-    return np.array([np.mean([e[k][x] for e in evals]) for k in common]), ppl.mean(1), ppl.min(1), ppl.max(1)
+def curve(seed_rows, x):
+    """Validation perplexity against column x (tokens or elapsed) over seeds: each seed's
+    evaluations interpolated (linearly in log perplexity) onto the x values where any seed
+    evaluated, within the range every seed covers. Returns x, and mean, min, max over seeds."""
+    pts = [np.array([(r[x], math.log(r['val_ppl'])) for r in rows if 'val_ppl' in r]) for rows in seed_rows]
+    grid = np.unique(np.concatenate([p[:, 0] for p in pts]))
+    grid = grid[(grid >= max(p[0, 0] for p in pts)) & (grid <= min(p[-1, 0] for p in pts))]
+    ppl = np.exp(np.array([np.interp(grid, p[:, 0], p[:, 1]) for p in pts]))
+    return grid, ppl.mean(0), ppl.min(0), ppl.max(0)
 
 
 def plot(runs, path):
@@ -228,12 +237,11 @@ def plot(runs, path):
     except ImportError:
         print("plot skipped: matplotlib is not installed (pip install matplotlib)")
         return None
-    timed = all(any('eval_at_seconds' in r for r in rows) for seeds in runs.values() for rows in seeds)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for mode, seeds in runs.items():
-        for ax, key, x in ((axes[0], 'step', 'tokens'), (axes[1], 'eval_at_seconds' if timed else 'step', 'elapsed')):
-            xs, mean, lo, hi = curve(seeds, key, x)
-            line, = ax.plot(xs, mean, marker='.', label=f'{mode} (mean of {len(seeds)} seeds)')
+        for ax, x in zip(axes, ('tokens', 'elapsed')):
+            xs, mean, lo, hi = curve(seeds, x)
+            line, = ax.plot(xs, mean, marker='.' if len(xs) <= 50 else None, label=f'{mode} (mean of {len(seeds)} seeds)')
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)  # min..max over seeds
     for ax, xl in zip(axes, ('tokens', 'training time (s, evaluation excluded)')):
         ax.set_xlabel(xl)
@@ -290,8 +298,8 @@ def compare(args, flags):
           f"step {last['step']}, {last['tokens']:,} tokens per run")
     print(f"{'mode':8} {'mean':>10} {'sd':>9} {'95% CI':>23} {'tokens/s':>10} {'tokens/train s':>15}")
     for m, s in modes.items():
-        ci = f"[{s['ci'][0]:.4f}, {s['ci'][1]:.4f}]"
-        print(f"{m:8} {s['mean']:10.4f} {s['sd']:9.4f} {ci:>23} {s['tokens_per_s']:10.0f} {s['tokens_per_train_s']:15.0f}")
+        ci = f"[{s['ci'][0]:.6g}, {s['ci'][1]:.6g}]"
+        print(f"{m:8} {s['mean']:10.6g} {s['sd']:9.4g} {ci:>23} {s['tokens_per_s']:10.0f} {s['tokens_per_train_s']:15.0f}")
     verdict = (f"equivalent within +-{100 * args.margin:g}%" if tost['equivalent']
                else f"not shown equivalent within +-{100 * args.margin:g}%")
     print(f"hetero/gpu (paired TOST): ratio {tost['mean_ratio']:.4f}, {100 * tost['ci_level']:g}% CI "

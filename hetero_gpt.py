@@ -1480,7 +1480,7 @@ def train(cfg, given=frozenset()):
     evaluator = engines.get('gpu') or AutogradEngine(model, device, dtype)
     bar = make_bar(cfg, it)
     next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0
-    j0, t_log, tok_log = meter.joules(), time.perf_counter(), 0
+    j0, t_log, tok_log = meter.joules(), elapsed, 0
     try:
         while it < cfg.max_iters:
             lr = get_lr(cfg, it)
@@ -1499,7 +1499,7 @@ def train(cfg, given=frozenset()):
             elapsed += time.perf_counter() - t0
             row = None
             if it % cfg.log_interval == 0 or it == cfg.max_iters:
-                dt = time.perf_counter() - t_log
+                dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
                 row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
                            elapsed=elapsed, mode=cfg.mode, ane_microbatches=split.assign(step.alive),
                            microbatches=split.n, dropped=dict(step.dropped), skipped=step.skipped)
@@ -1512,7 +1512,7 @@ def train(cfg, given=frozenset()):
                 if j is not None:
                     row['joules_per_token'] = (j - j0) / tok_log
                     j0 = j
-                t_log, tok_log = time.perf_counter(), 0
+                t_log, tok_log = elapsed, 0
             timed_eval = cfg.eval_seconds > 0 and elapsed >= next_eval_s
             if timed_eval:  # at fixed training time (steps only; evaluation is not counted)
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(eval_at_seconds=next_eval_s)
@@ -1523,10 +1523,11 @@ def train(cfg, given=frozenset()):
                 best_val = min(best_val, val)
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
                     val_loss=val, val_ppl=math.exp(min(val, 50)))
-                checkpoint()
-            if row:
+            if row:  # the log first, then the checkpoint: a resumed run never lacks a row
                 metrics.write(json.dumps(row) + '\n')
                 metrics.flush()
+                if 'val_loss' in row:
+                    checkpoint()
                 bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
                                  if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches')})
                 if bar.disable:
