@@ -268,10 +268,15 @@ class TorchOps:
     recompute_attention = True
 
     def __init__(self, dtype, device):
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = dtype, torch.device(device)
 
     def matmul(self, a, b, ta=False, tb=False):
-        return (a.mT if ta else a) @ (b.mT if tb else b)
+        a, b = (a.mT if ta else a), (b.mT if tb else b)
+        if self.dtype == torch.float16 and self.device.type == 'cpu':
+            # CPUs have no fast fp16 GEMM; fp16 operands, fp32 accumulation, fp16 result is
+            # also what the ANE and GPU tensor cores compute, so the numerics are unchanged
+            return (a.float() @ b.float()).half()
+        return a @ b
 
     exp, log, tanh, rsqrt = (staticmethod(f) for f in (torch.exp, torch.log, torch.tanh, torch.rsqrt))
     maximum = staticmethod(torch.maximum)
