@@ -1064,8 +1064,9 @@ def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
         for i, (idx, targets) in enumerate(microbatches):
             l, g = engine.loss_and_grads(idx, targets)
             if acc is None:
-                # sum in fp32 at least (fp16/bf16 gradients are widened; fp64 stays fp64)
-                acc = {k: v.clone() if v.dtype in (torch.float32, torch.float64) else v.float() for k, v in g.items()}
+                # sum in fp32 at least (fp16/bf16 gradients are widened; fp64 stays fp64).
+                # No copy needed: every call returns freshly allocated gradient tensors.
+                acc = {k: v if v.dtype in (torch.float32, torch.float64) else v.float() for k, v in g.items()}
             else:
                 for k, v in g.items():
                     acc[k] += v
@@ -1155,7 +1156,7 @@ class HeteroStep:
             for r in used.values():
                 gi = r['grads'][pn].to(p.device)
                 g = gi if g is None else g + gi
-            p.grad = g.div_(n).to(p.dtype)
+            p.grad = (g.div_(n) if n > 1 else g).to(p.dtype)
         master = next(iter(self.params.values())).device
         if master.type == 'cuda' and any(getattr(e, 'stream', None) is not None for e in self.engines.values()):
             # the engines' gradient buffers were made on their streams and are freed after
