@@ -24,7 +24,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import sys
 import threading
 import time

@@ -42,7 +42,7 @@ for dtype, compile in settings:
     rows.append((f"{dtype}{' + compile' if compile else ' eager'}", r))
 
 tok = 12 * 1024
-print(f"\n| setting | nanoGPT bench.py ms/iter (tok/s) | ours V=50257 ms/iter (tok/s) | ours V=50304 ms/iter (tok/s) |")
+print("\n| setting | nanoGPT bench.py ms/iter (tok/s) | ours V=50257 ms/iter (tok/s) | ours V=50304 ms/iter (tok/s) |")
 print("|---|---|---|---|")
 for name, r in rows:
     cell = lambda v: f"{v:.1f} ({tok / v * 1000:,.0f})" if v else 'failed'

@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 
 import compare
-import hetero_gpt as hg
-import prepare_data
 
 # ---- the Student-t distribution
 
@@ -99,17 +97,6 @@ def test_paired_ttest():
 # ---- end to end
 
 
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp('data')
-    text = root / 'tiny.txt'
-    lines = [f"The {w} of the {v} is {n} and the {v} is {w}." for n in range(40)
-             for w, v in (('king', 'crown'), ('queen', 'court'), ('fool', 'jest'))]
-    text.write_text('\n'.join(lines * 3) + '\n')
-    prepare_data.prepare('tiny', data_dir=str(root), input_path=str(text))
-    return str(root)
-
-
 def tiny(data_dir, out_dir, *extra):
     return ['--seeds', '2', '--out_dir', str(out_dir), '--dataset', 'tiny', '--data_dir', data_dir,
             '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16', '--batch_size', '4',
@@ -154,22 +141,16 @@ def test_compare_end_to_end_and_reuse(data_dir, tmp_path, capsys):
     assert e.value.code == 2 and 'other settings' in capsys.readouterr().err
 
 
-def test_interrupted_comparison_resumes(data_dir, tmp_path, capsys, monkeypatch):
+def test_interrupted_comparison_resumes(data_dir, tmp_path, capsys, ctrl_c):
     # Ctrl-C at step 4 of the first run (a checkpoint is saved at step 3): compare stops,
     # and the same command continues that run with --resume, giving the same perplexity as
     # the run straight through (bit for bit on the CPU)
     straight = compare.main(tiny(data_dir, tmp_path / 'a'))
-    real = hg.step_batches
-
-    def interrupt_at_4(cfg, data, it):
-        if it == 4:
-            raise KeyboardInterrupt
-        return real(cfg, data, it)
-    monkeypatch.setattr(hg, 'step_batches', interrupt_at_4)
+    ctrl_c.at(4)
     with pytest.raises(SystemExit) as e:
         compare.main(tiny(data_dir, tmp_path / 'b'))
     assert e.value.code == 2 and 'run the same command again' in capsys.readouterr().err
-    monkeypatch.setattr(hg, 'step_batches', real)
+    ctrl_c.off()
     resumed = compare.main(tiny(data_dir, tmp_path / 'b'))
     assert 'resumed from' in capsys.readouterr().out
     for m in ('gpu', 'ane', 'hetero'):

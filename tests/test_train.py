@@ -8,22 +8,10 @@ import pytest
 import torch
 
 import hetero_gpt as hg
-import prepare_data
 
 TINY = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '32', '--batch_size', '4',
         '--gradient_accumulation_steps', '2', '--learning_rate', '3e-3', '--warmup_iters', '5',
         '--eval_iters', '4', '--sample_tokens', '0', '--quiet', '--device', 'cpu', '--log_interval', '5']
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp('data')
-    text = root / 'tiny.txt'
-    lines = [f"The {w} of the {v} is {n} and the {v} is {w}." for n in range(40)
-             for w, v in (('king', 'crown'), ('queen', 'court'), ('fool', 'jest'))]
-    text.write_text('\n'.join(lines * 3) + '\n')
-    prepare_data.prepare('tiny', data_dir=str(root), input_path=str(text))
-    return str(root)
 
 
 def run(data_dir, out_dir, *extra):
@@ -46,22 +34,16 @@ def test_loss_falls_and_metrics_are_logged(data_dir, tmp_path):
     assert (tmp_path / 'ckpt.pt').exists() and not (tmp_path / 'ckpt.pt.tmp').exists()
 
 
-def test_interrupt_then_resume_continues_exactly(data_dir, tmp_path, monkeypatch):
+def test_interrupt_then_resume_continues_exactly(data_dir, tmp_path, ctrl_c):
     # 20 steps straight vs Ctrl-C at step 7 (a checkpoint is saved) then --resume to 20:
     # the same batches (seeded by step) and optimizer state give the same weights, bit
     # for bit on the CPU
     a, _ = run(data_dir, tmp_path / 'a', '--max_iters', '20', '--eval_interval', '10')
-    real = hg.step_batches
-
-    def interrupt_at_7(cfg, data, it):
-        if it == 7:
-            raise KeyboardInterrupt
-        return real(cfg, data, it)
-    monkeypatch.setattr(hg, 'step_batches', interrupt_at_7)
+    ctrl_c.at(7)
     run(data_dir, tmp_path / 'b', '--max_iters', '20', '--eval_interval', '100')
     ck = torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=False)
     assert ck['iter_num'] == 7 and len(ck['optimizer']['state']) > 0
-    monkeypatch.setattr(hg, 'step_batches', real)
+    ctrl_c.off()
     b, rows = run(data_dir, tmp_path / 'b', '--max_iters', '20', '--eval_interval', '10', '--resume')
     assert rows[-1]['step'] == 20
     for (k, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
