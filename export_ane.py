@@ -108,7 +108,7 @@ def check_gradients(engine, cfg, B, T, seed=0):
 
 def macos_compute_plan(path):
     """macOS 14.4+: where Core ML placed each op, and its estimated share of the cost."""
-    import coremltools as ct
+    ct = hg.import_coremltools()
     from coremltools.models.compute_plan import MLComputePlan
     m = ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE)
     plan = MLComputePlan.load_from_path(path=m.get_compiled_model_path(), compute_units=ct.ComputeUnit.CPU_AND_NE)

@@ -710,13 +710,23 @@ class MILOps:
         return MILTensor(self.mb.const(val=np.triu(np.full((T, T), -1e4, np.float16), 1)))
 
 
+def import_coremltools():
+    """coremltools, imported quietly: off macOS it warns that its Core ML runtime is
+    missing, which is expected here (we only build, save and read programs)."""
+    import logging
+    if not ON_MAC:
+        logging.getLogger('coremltools').setLevel(logging.ERROR)
+    import coremltools
+    return coremltools
+
+
 PROGRAM_FORMAT = 1  # bump when the program's inputs or outputs change meaning
 
 
 def build_coreml_program(cfg, B, T):
     """dense_step(MILOps) as a MIL Program: inputs dense_input_shapes(cfg, B, T) in fp16,
     outputs 'loss' (1, 1) and 'd_<input>' for every input but loss_scale."""
-    import coremltools as ct
+    ct = import_coremltools()
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import Function, Program, types
     check_ane_shapes(cfg, B, T)
@@ -747,7 +757,7 @@ def export_coreml(cfg, B, T, path):
     """Builds the program and saves it as an .mlpackage at `path` (atomically: a crash
     leaves no half-written package under that name)."""
     import shutil
-    import coremltools as ct
+    ct = import_coremltools()
     prog = build_coreml_program(cfg, B, T)
     model = ct.convert(prog, convert_to='mlprogram', compute_precision=ct.precision.FLOAT16,
                        minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
@@ -761,7 +771,7 @@ def export_coreml(cfg, B, T, path):
 
 
 def read_package_meta(path):
-    import coremltools as ct
+    ct = import_coremltools()
     if not os.path.isdir(path):
         raise UserError(f"no Core ML package at {path}: make one with `python export_ane.py --out {path}`")
     try:
@@ -773,7 +783,7 @@ def read_package_meta(path):
 
 def load_coreml_program(path):
     """The saved package read back into a MIL Program (works on Linux)."""
-    import coremltools as ct
+    ct = import_coremltools()
     from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
     model = ct.models.MLModel(path, skip_model_load=True)
     spec = model.get_spec()
@@ -832,7 +842,7 @@ def coreml_predict_fn(path):
     """THE macOS SEAM: Core ML's predict on CPU + Neural Engine. Everything else in this
     file runs anywhere. Off macOS we evaluate the saved program in NumPy instead."""
     if ON_MAC:
-        import coremltools as ct
+        ct = import_coremltools()
         return ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE).predict
     return numpy_predict(load_coreml_program(path))
 

@@ -106,3 +106,19 @@ def test_export_cli_refuses_too_many_tokens(tmp_path, capsys):
     rc = export_ane.main(['--n_layer', '1', '--n_head', '1', '--n_embd', '8', '--block_size', '1024',
                           '--vocab_size', '50', '--microbatch', '17', '--out', str(tmp_path / 'x.mlpackage')])
     assert rc == 2 and 'at most 16384' in capsys.readouterr().err
+
+
+def test_trainer_exports_once_and_reuses(tmp_path):
+    # what --mode ane/hetero does on macOS: export for the run's shapes, reuse it next time,
+    # export again when the shapes change
+    said = []
+    cfg, _ = hg.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '8',
+                            '--vocab_size', '100', '--batch_size', '2', '--out_dir', str(tmp_path)])
+    path = hg.ensure_coreml_package(cfg, log=said.append)
+    spec = tmp_path / 'ane_B2_T8.mlpackage' / 'Data' / 'com.apple.CoreML' / 'model.mlmodel'
+    stamp = spec.stat().st_mtime_ns
+    assert hg.ensure_coreml_package(cfg, log=said.append) == path and len(said) == 1
+    assert spec.stat().st_mtime_ns == stamp
+    cfg.n_layer = 2  # same file name, other model: exported again
+    hg.ensure_coreml_package(cfg, log=said.append)
+    assert 'other shapes' in said[1] and hg.CoreMLEngine(path).cfg.n_layer == 2
