@@ -620,14 +620,8 @@ def manual_loss_and_grads(params, idx, targets, *, dtype=torch.float32, device=N
     cfg = config_from_params(params, n_head)
     check_batch(cfg, idx, targets)
     device = torch.device(device) if device is not None else params['transformer.wte.weight'].device
-    idx, targets = idx.to(device), targets.to(device)
     w = {k: v.detach().to(device=device, dtype=dtype) for k, v in params.items()}
-    o = TorchOps(dtype, device)
-    with torch.no_grad():
-        loss, g = dense_step(o, cfg, idx.shape[0], idx.shape[1],
-                             host_inputs(w, cfg, idx, targets, loss_scale))
-        out_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        return loss.reshape(()).to(out_dtype), host_grads(g, cfg, idx, targets, loss_scale, out_dtype)
+    return eager_loss_and_grads(cfg, w, idx.to(device), targets.to(device), dtype, device, loss_scale)
 
 
 def grads_finite(grads):
@@ -636,7 +630,7 @@ def grads_finite(grads):
 
 
 def eager_loss_and_grads(cfg, w, idx, targets, dtype, device, loss_scale):
-    """manual_loss_and_grads without the checks, for the training loop's eager engine."""
+    """manual_loss_and_grads without the checks: weights `w` already in `dtype` on `device`."""
     o = TorchOps(dtype, device)
     with torch.no_grad():
         loss, g = dense_step(o, cfg, idx.shape[0], idx.shape[1], host_inputs(w, cfg, idx, targets, loss_scale))
