@@ -872,6 +872,11 @@ class CoreMLEngine:
 
     def load_weights(self, params):
         # fp16 copies of the weights, refreshed once per step into the same buffers
+        if self.w is None:  # first call: are these the weights of the exported model?
+            try:
+                self.check(config=config_from_params(params, n_head=self.cfg.n_head))
+            except ValueError as e:
+                raise UserError(f"{self.path}: {e}; re-export it with export_ane.py for this model") from None
         w = host_weights({k: p.detach() for k, p in params.items()}, self.cfg)
         if self.w is None:
             self.w = {k: np.empty(tuple(v.shape), np.float16) for k, v in w.items()}

@@ -76,6 +76,13 @@ def test_package_for_other_shapes_is_refused(package):
         engine.loss_and_grads(torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long))
 
 
+def test_weights_of_another_model_are_refused(package):
+    engine = hg.CoreMLEngine(package, predict=lambda inputs: pytest.fail('must not run'))
+    other = hg.GPT(hg.GPTConfig(block_size=16, vocab_size=20000, n_layer=2, n_head=4, n_embd=64))
+    with pytest.raises(hg.UserError, match='export_ane.py'):
+        engine.load_weights(dict(other.named_parameters()))
+
+
 def test_not_a_package(tmp_path):
     with pytest.raises(hg.UserError, match='no Core ML package'):
         hg.CoreMLEngine(str(tmp_path / 'missing.mlpackage'))
