@@ -1098,8 +1098,9 @@ class HeteroStep:
     once per step), run in their own threads, and return summed gradients. All
     microbatches have B*T tokens, so the token-weighted mean is the sum over both engines
     divided by the count of microbatches that contributed. An engine whose gradients are
-    not finite (fp16 overflow) or that raised is left out of that step: the mean is then
-    over the other engine's microbatches alone, and is still an unbiased gradient."""
+    not finite (fp16 overflow) is left out of that step: the mean is then over the other
+    engine's microbatches alone, and is still an unbiased gradient. An engine that raises
+    is retired, and its share of the step is run by the other one."""
 
     def __init__(self, model, engines, split, log=print):
         self.model, self.engines, self.split, self.log = model, engines, split, log
@@ -1134,26 +1135,44 @@ class HeteroStep:
                                                      wait, enqueued if name == 'gpu' else None))
         for f in futures:
             f.result()
+        self._recover(results, shares)
         return self._combine(results)
+
+    def _recover(self, results, shares):
+        """An engine that raised is reported once and retired; the other engine then runs
+        its microbatches too, so the step still averages over its whole batch."""
+        failed = [n for n, r in results.items() if 'error' in r]
+        self.alive -= set(failed)
+        for name in failed:
+            error = results.pop(name)['error']
+            self.dropped[name] += 1
+            self.log(f"engine '{name}' ({self.engines[name].label}) failed: {error!r}; "
+                     f"continuing with {sorted(self.alive) or 'nothing'}")
+            if not self.alive:
+                raise RuntimeError("both engines failed") from error
+            other = next(iter(self.alive))
+            redo = {}
+            run_engine(self.engines[other], shares[name], redo)
+            if 'error' in redo:
+                raise RuntimeError("both engines failed") from redo['error']
+            r = results.setdefault(other, redo)
+            if r is not redo:  # add the re-run microbatches to the other engine's sums
+                for k, v in redo['grads'].items():
+                    r['grads'][k] += v.to(r['grads'][k].device)
+                r['loss'] += redo['loss']
+                r['n'] += redo['n']
+                r['finite'] = r['finite'] and redo['finite']
 
     def _combine(self, results):
         used = {}
         for name, r in results.items():
             eng = self.engines[name]
-            if 'error' in r:
-                self.alive.discard(name)
-                self.log(f"engine '{name}' ({eng.label}) failed: {r['error']!r}; "
-                         f"continuing with {sorted(self.alive) or 'nothing'}")
-                if not self.alive:
-                    raise RuntimeError("both engines failed") from r['error']
-                self.dropped[name] += 1
-                continue
             eng.scaler.update(r['finite'])
             if r['finite']:
                 used[name] = r
             else:
                 self.dropped[name] += 1
-        if len(results) == 2 and all('error' not in r for r in results.values()):
+        if len(results) == 2:
             self.split.observe({n: r['seconds'] / r['n'] for n, r in results.items()})
         n = sum(r['n'] for r in used.values())
         if n == 0:

@@ -185,10 +185,12 @@ def test_failing_engine_leaves_training_running():
     eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, None, fail=True)}
     said = []
     step = hg.HeteroStep(model, eng, hg.Split(4, '0.5'), log=said.append)
-    out = step(microbatches(4))
-    assert out['used'] == ['gpu'] and step.alive == {'gpu'}
+    out = step(microbatches(4))  # the GPU runs its 2 microbatches, then the ANE's 2
+    assert out['used'] == ['gpu'] and step.alive == {'gpu'} and out['results']['gpu']['n'] == 4
+    assert eng['ane'].calls == 1 and eng['gpu'].calls == 4
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
     out = step(microbatches(4))  # the next step runs on the GPU alone, all 4 microbatches
-    assert out['used'] == ['gpu'] and eng['ane'].calls == 1 and eng['gpu'].calls == 2 + 4
+    assert out['used'] == ['gpu'] and eng['ane'].calls == 1 and eng['gpu'].calls == 4 + 4
     assert len(said) == 1 and 'device lost' in said[0]
 
 
