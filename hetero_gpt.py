@@ -1038,17 +1038,25 @@ class Split:
         self.sec = {}  # engine name -> smoothed seconds per microbatch
         self.steps = 0
 
+    def current(self, alive):
+        """The ANE's share of the microbatches, given which engines are alive."""
+        return 0 if alive == {'gpu'} else self.n if alive == {'ane'} else self.k
+
     def assign(self, alive):
-        if alive == {'gpu'}:
-            return 0
-        if alive == {'ane'}:
-            return self.n
-        if self.auto and self.n >= 2 and self.k == 0 and self.steps % 20 == 0:
-            return 1  # now and then give an idle engine one microbatch, to re-measure it
-        return self.k
+        """The ANE's share for the next step. In auto mode, every 20th step gives each
+        engine at least one microbatch, so one the split left idle is measured again,
+        unless one microbatch of it took longer than two whole steps of the other."""
+        self.steps += 1
+        k = self.current(alive)
+        if self.auto and len(alive) == 2 and self.n >= 2 and self.steps % 20 == 0:
+            worth = lambda idle, busy: self.sec.get(idle, 0) <= 2 * self.n * self.sec.get(busy, 0)
+            if k == 0 and worth('ane', 'gpu'):
+                k = 1
+            elif k == self.n and worth('gpu', 'ane'):
+                k = self.n - 1
+        return k
 
     def observe(self, seconds_per_mb):
-        self.steps += 1
         for name, s in seconds_per_mb.items():
             self.sec[name] = s if name not in self.sec else 0.5 * self.sec[name] + 0.5 * s
         if self.auto and len(self.sec) == 2:
@@ -1534,7 +1542,7 @@ def train(cfg, given=frozenset()):
             if it % cfg.log_interval == 0 or it == cfg.max_iters:
                 dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
                 row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
-                           elapsed=elapsed, mode=cfg.mode, ane_microbatches=split.assign(step.alive),
+                           elapsed=elapsed, mode=cfg.mode, ane_microbatches=split.current(step.alive),
                            microbatches=split.n, dropped=dict(step.dropped), skipped=step.skipped)
                 for n, r in out['results'].items():
                     if 'seconds' in r:
@@ -1612,7 +1620,7 @@ def bench(cfg, given):
         dt, j = time.perf_counter() - t0, meter.joules()
         n_tok = tok_per_step * cfg.bench_iters
         rows[mode] = dict(tok_s=n_tok / dt, j_tok=None if j is None else (j - j0) / n_tok,
-                          split=f"{split.assign(step.alive)}/{split.n}" if mode == 'hetero' else '-',
+                          split=f"{split.current(step.alive)}/{split.n}" if mode == 'hetero' else '-',
                           engines=' + '.join(e.label for e in engines.values()), meter=meter.name)
         print(f"{mode}: {rows[mode]}")
         del model, optimizer, engines, step

@@ -151,10 +151,26 @@ def test_auto_split_moves_toward_the_faster_engine():
     eng = {'gpu': FakeEngine('gpu', 0.01, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0.03, const_grads(model, 1.0))}
     split = hg.Split(8, 'auto')
     step = hg.HeteroStep(model, eng, split)
-    assert split.assign(step.alive) == 4  # starts even
+    assert split.current(step.alive) == 4  # starts even
     for _ in range(5):
         step(microbatches(8))
-    assert split.assign(step.alive) == 2  # the ANE is 3x slower: 8 * (1/3) / (1 + 1/3) = 2
+    assert split.current(step.alive) == 2  # the ANE is 3x slower: 8 * (1/3) / (1 + 1/3) = 2
+
+
+def test_auto_split_remeasures_an_idle_engine():
+    # the split left the ANE idle (measured 7.5x slower than the GPU: 4 * 1/8.5 rounds to 0
+    # of 4 microbatches); every 20th step it still gets one, so a change in its speed is
+    # seen, unless one of its microbatches took longer than two whole GPU steps
+    model = tiny_model()
+    eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, const_grads(model, 1.0))}
+    for ane_sec, probes in ((0.015, 1), (0.017, 0)):  # two GPU steps: 2 * 4 * 0.002 = 0.016 s
+        split = hg.Split(4, 'auto')
+        split.sec, split.k = {'gpu': 0.002, 'ane': ane_sec}, 0
+        step = hg.HeteroStep(model, eng, split)
+        calls = eng['ane'].calls
+        for _ in range(20):
+            step(microbatches(4))
+        assert eng['ane'].calls == calls + probes, ane_sec
 
 
 def test_nonfinite_gradients_are_skipped_and_counted():
