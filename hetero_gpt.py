@@ -103,7 +103,7 @@ CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="HeteroEngine: GPT-2 on GPU and ANE at once.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     for f in dataclasses.fields(Config):
         if f.type in (bool, 'bool'):
             parser.add_argument(f'--{f.name}', type=_parse_bool, nargs='?', const=True,
