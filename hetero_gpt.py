@@ -943,14 +943,15 @@ def on_stream(stream):
 class AutogradEngine:
     name, holds_gil = 'gpu', False
 
-    def __init__(self, model, device, dtype, compile=False):
+    def __init__(self, model, device, dtype, compile=False, scaler=None):
         self.model, self.device, self.stream = model, device, engine_stream(device)
         self.forward = torch.compile(model) if compile else model
         # bf16/fp16: autocast over fp32 master weights; fp32/fp64: the weights' own dtype
         self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16)
                          else contextlib.nullcontext())
         self.params = list(model.named_parameters())
-        self.scaler = LossScaler(1.0, 0, enabled=False)  # bf16/fp32 need no loss scale
+        # fp16 autocast needs a loss scale, as the fp16 ANE engine does; bf16 and fp32 don't
+        self.scaler = scaler if dtype == torch.float16 and scaler else LossScaler(1.0, 0, enabled=False)
         self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
 
     def load_weights(self, params):
@@ -963,7 +964,9 @@ class AutogradEngine:
             with self.autocast:  # the forward only: backward ops take their forward's dtypes
                 _, loss = self.forward(idx.to(self.device, non_blocking=True),
                                        targets.to(self.device, non_blocking=True))
-            loss.backward()
+            (loss * self.scaler.scale).backward() if self.scaler.enabled else loss.backward()
+        if self.scaler.enabled:  # unscale in fp32: the master weights' gradients are fp32
+            return loss.detach(), {n: p.grad / self.scaler.scale for n, p in self.params}
         return loss.detach(), {n: p.grad for n, p in self.params}
 
     def synchronize(self):
@@ -1436,7 +1439,8 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
     """The engines a mode needs: {'gpu': ..., 'ane': ...}."""
     engines = {}
     if mode in ('gpu', 'hetero'):
-        engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile)
+        engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile,
+                                        scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
     if mode in ('ane', 'hetero'):
         scaler = LossScaler(cfg.loss_scale, cfg.scale_window)
         if ON_MAC:

@@ -62,6 +62,23 @@ def test_hetero_fp32_matches_gpu_only(data_dir, tmp_path):
     assert abs(gpu[-1]['val_loss'] - het[-1]['val_loss']) < 1e-4 * gpu[-1]['val_loss']
 
 
+def test_fp16_autograd_engine_scales_its_loss():
+    # fp16 autocast (on the CPU here) with a loss scale: the gradients come back unscaled,
+    # equal to fp32 autograd's up to fp16 rounding (cosine >= 0.999), and the scale adapts
+    torch.manual_seed(0)
+    model = hg.GPT(hg.GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=2, n_embd=32))
+    idx, targets = (torch.randint(0, 300, (2, 16)) for _ in range(2))
+    cpu = torch.device('cpu')
+    ref = hg.AutogradEngine(model, cpu, torch.float32).loss_and_grads(idx, targets)[1]
+    ref = {k: v.clone() for k, v in ref.items()}
+    eng = hg.AutogradEngine(model, cpu, torch.float16, scaler=hg.LossScaler(1024.0, 100))
+    assert eng.scaler.enabled and eng.scaler.scale == 1024.0
+    _, grads = eng.loss_and_grads(idx, targets)
+    for k, g in grads.items():
+        assert torch.nn.functional.cosine_similarity(g.flatten(), ref[k].flatten(), dim=0) >= 0.999, k
+    assert not hg.AutogradEngine(model, cpu, torch.bfloat16, scaler=hg.LossScaler(1024.0, 100)).scaler.enabled
+
+
 def test_bad_flags_and_data(data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         hg.parse_args(['--no_such_flag', '1'])
