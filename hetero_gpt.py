@@ -371,7 +371,7 @@ def attention_forward(o, q, k, v, B, T, H):
     q, k, v = heads(o, q, B, T, H), heads(o, k, B, T, H), heads(o, v, B, T, H)
     p = attention_probs(o, q, k, T)
     y = merge_heads(o, o.matmul(p, v), B, T)
-    return y, (q, k, v, None if getattr(o, 'recompute_attention', False) else p)
+    return y, (q, k, v, None if o.recompute_attention else p)
 
 
 def attention_backward(o, dy, cache, B, T, H):
@@ -675,6 +675,7 @@ class MILTensor:
 
 class MILOps:
     """MIL backend of the derivation: every op is one the ANE runs (ANE_NOTES)."""
+    recompute_attention = False  # a graph compiler plans its own memory: keep P, skip the recompute
 
     def __init__(self):
         from coremltools.converters.mil import Builder as mb
@@ -860,13 +861,11 @@ class CoreMLEngine:
         self.label = f"Core ML program {os.path.basename(path)}" + ('' if ON_MAC else ' (NumPy evaluator)')
 
     def check(self, config=None, microbatch=None):
-        want = (config, microbatch)
-        have = (self.cfg, (self.B, self.T))
-        if (config is not None and config != self.cfg) or (microbatch is not None and tuple(microbatch) != have[1]):
-            c = config or self.cfg
-            b, t = microbatch or have[1]
+        """Refuses a model configuration or microbatch shape other than the exported one."""
+        c, (b, t) = config or self.cfg, tuple(microbatch or (self.B, self.T))
+        if (c, b, t) != (self.cfg, self.B, self.T):
             raise UserError(
-                f"{self.path} was exported for {self.cfg} and microbatch {self.B}x{self.T}, not {want}: "
+                f"{self.path} was exported for {self.cfg} and microbatch {self.B}x{self.T}, not {c} and {b}x{t}: "
                 f"re-export with `python export_ane.py --n_layer {c.n_layer} --n_head {c.n_head} --n_embd {c.n_embd} "
                 f"--block_size {c.block_size} --vocab_size {c.vocab_size} --microbatch {b} --seq_len {t} --out {self.path}`")
 
@@ -964,7 +963,10 @@ class AutogradEngine:
             with self.autocast:  # the forward only: backward ops take their forward's dtypes
                 _, loss = self.forward(idx.to(self.device, non_blocking=True),
                                        targets.to(self.device, non_blocking=True))
-            (loss * self.scaler.scale).backward() if self.scaler.enabled else loss.backward()
+            if self.scaler.enabled:
+                (loss * self.scaler.scale).backward()
+            else:
+                loss.backward()
         if self.scaler.enabled:  # unscale in fp32: the master weights' gradients are fp32
             return loss.detach(), {n: p.grad / self.scaler.scale for n, p in self.params}
         return loss.detach(), {n: p.grad for n, p in self.params}
@@ -1452,6 +1454,17 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
     return engines
 
 
+def build_run(cfg, device, dtype, mode, log=print):
+    """What a training run (and each --bench mode) needs: the model (fp32 master weights,
+    fp64 under --dtype float64), AdamW, the mode's engines, the split, the step, a meter."""
+    model = GPT(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
+    optimizer = make_optimizer(model, cfg, device)
+    engines = build_engines(cfg, model, device, dtype, mode, log)
+    split = Split(cfg.gradient_accumulation_steps, {'gpu': '0', 'ane': '1', 'hetero': cfg.ane_fraction}[mode])
+    meter = EnergyMeter({device} | {e.device for e in engines.values()})
+    return model, optimizer, engines, HeteroStep(model, engines, split, log=log), meter
+
+
 def setup(cfg, given, log=print):
     """Checks the configuration and resolves what 'auto' means on this machine."""
     device = resolve_device(cfg.device)
@@ -1488,12 +1501,8 @@ def train(cfg, given=frozenset()):
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    model = GPT(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
-    optimizer = make_optimizer(model, cfg, device)
-    engines = build_engines(cfg, model, device, dtype, cfg.mode, log=print)
-    split = Split(cfg.gradient_accumulation_steps,
-                  cfg.ane_fraction if cfg.mode == 'hetero' else ('1' if cfg.mode == 'ane' else '0'))
-    step = HeteroStep(model, engines, split, log=lambda s: tqdm_write(s))
+    model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm_write)
+    split = step.split
     it, tokens, elapsed, best_val = 0, 0, 0.0, float('inf')
     if cfg.resume:
         if not os.path.exists(ckpt_path):
@@ -1505,8 +1514,8 @@ def train(cfg, given=frozenset()):
         optimizer.load_state_dict(ck['optimizer'])
         it, tokens, elapsed, best_val = ck['iter_num'], ck['tokens'], ck['elapsed'], ck['best_val_loss']
         split.load_state_dict(ck['split'])
-        if 'ane' in engines:
-            engines['ane'].scaler.scale = ck['loss_scale']
+        for n, e in engines.items():
+            e.scaler.scale = ck['loss_scales'].get(n, e.scaler.scale)
         print(f"resumed from {ckpt_path} at step {it}")
 
     def checkpoint():
@@ -1514,9 +1523,8 @@ def train(cfg, given=frozenset()):
             model=model.state_dict(), optimizer=optimizer.state_dict(),
             model_args=dataclasses.asdict(model.config), iter_num=it, tokens=tokens, elapsed=elapsed,
             best_val_loss=best_val, config=dataclasses.asdict(cfg), split=split.state_dict(),
-            loss_scale=engines['ane'].scaler.scale if 'ane' in engines else 1.0))
+            loss_scales={n: e.scaler.scale for n, e in engines.items()}))
 
-    meter = EnergyMeter({device} | {e.device for e in engines.values() if hasattr(e, 'device')})
     n_params = sum(p.numel() for p in model.parameters())
     print(f"GPT-2 {n_params / 1e6:.2f}M parameters | mode {cfg.mode} | "
           + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}")
@@ -1605,14 +1613,9 @@ def bench(cfg, given):
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     rows, warmup = {}, 3
     for mode in ('gpu', 'ane', 'hetero'):
-        model = GPT(model_config(cfg)).to(device)
+        model, optimizer, engines, step, meter = build_run(cfg, device, dtype, mode)
         model.load_state_dict(init)
-        optimizer = make_optimizer(model, cfg, device)
-        engines = build_engines(cfg, model, device, dtype, mode)
-        split = Split(cfg.gradient_accumulation_steps,
-                      cfg.ane_fraction if mode == 'hetero' else ('1' if mode == 'ane' else '0'))
-        step = HeteroStep(model, engines, split)
-        meter = EnergyMeter({device} | {e.device for e in engines.values() if hasattr(e, 'device')})
+        split = step.split
         for it in range(warmup + cfg.bench_iters):
             if it == warmup:
                 device_synchronize(device)
