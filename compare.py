@@ -282,7 +282,9 @@ def compare(args, flags):
         raise hg.UserError("--margin must be in (0, 1) and --alpha in (0, 0.5)")
     hg.parse_args(flags)  # unknown or malformed flags fail here, before any training
     seeds = range(1, args.seeds + 1)
-    runs = {m: [run_one(flags, m, s, args.out_dir) for s in seeds] for m in MODES}
+    # seed by seed, so an interrupted comparison has whole seeds (every mode) done
+    done = {(m, s): run_one(flags, m, s, args.out_dir) for s in seeds for m in MODES}
+    runs = {m: [done[m, s] for s in seeds] for m in MODES}
     ppl = {m: np.array([rows[-1]['val_ppl'] for rows in runs[m]]) for m in MODES}
     modes = {}
     for m in MODES:

@@ -48,7 +48,9 @@ def analytic_flops(cfg, B, T):
     dW): 6*N*W. Attention per layer: q k^T and P v forward (2*2*B*T^2*C), twice that
     backward. The usual estimate uses every parameter but the position table (biases and
     norms are not matmuls) and adds nothing for elementwise work."""
-    C, L, V, N = cfg.n_embd, cfg.n_layer, cfg.vocab_size, B * T
+    C, L, N = cfg.n_embd, cfg.n_layer, B * T
+    rows, spans = hg.vocab_chunks(cfg.vocab_size)
+    V = rows * len(spans)  # the LM head multiplies the aligned chunks, padding rows included
     matrices = L * 12 * C * C + V * C  # qkv 3C^2, proj C^2, fc 4C^2, proj 4C^2; tied LM head
     attention = 12 * L * B * T * T * C
     params = sum(p.numel() for k, p in hg.GPT_param_shapes(cfg).items() if k != 'transformer.wpe.weight')

@@ -79,9 +79,9 @@ class Config:
     ane_package: str = opt('', "Core ML package for the ANE (default: out_dir/ane_B{batch}_T{block}.mlpackage)")
     loss_scale: float = opt(1024.0, "initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
     scale_window: int = opt(200, "finite steps before the fp16 loss scale grows")
-    compile: bool = opt(False, "torch.compile the GPU engine's model")
+    compile: bool = opt(False, "torch.compile the GPU engine's model and the eager engine's derivation")
     # evaluation, logging, checkpoints
-    eval_interval: int = opt(100, "evaluate validation loss every this many steps")
+    eval_interval: int = opt(100, "evaluate validation loss and save a checkpoint every this many steps")
     eval_iters: int = opt(20, "validation batches per evaluation (0: the full validation split)")
     eval_seconds: float = opt(0.0, "also evaluate each time training time passes a multiple of this (0: off)")
     log_interval: int = opt(10, "print and log training metrics every this many steps")
@@ -90,7 +90,7 @@ class Config:
     sample_tokens: int = opt(200, "tokens of text sampled at the end (0: none)")
     seed: int = opt(1337, "seed for weights and batch order")
     bench: bool = opt(False, "time gpu, ane and hetero side by side and print the table, then exit")
-    bench_iters: int = opt(10, "timed steps per mode with --bench (after 3 warm-up steps)")
+    bench_iters: int = opt(10, "timed steps per mode with --bench (after 5 warm-up steps)")
     quiet: bool = opt(False, "no progress bar")
 
 
@@ -221,10 +221,15 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
-        logits = self.lm_head(x)
-        flat = logits.reshape(-1, logits.size(-1))  # the loss in fp32 at least, even under autocast
-        flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-        return logits, F.cross_entropy(flat, targets.reshape(-1))
+        # Tensor cores want aligned rows: with GPT-2's odd 50257, all three LM-head matmuls
+        # (forward, d x, d W) take a slow path (bf16 on an H200: 62 vs 42 ms a step). So the
+        # matmul runs on the weight padded with zero rows to a multiple of 64, and the
+        # padded logits are dropped: the same logits and gradients, faster.
+        V, pad = self.config.vocab_size, -self.config.vocab_size % 64
+        logits = F.linear(x, F.pad(self.lm_head.weight, (0, 0, 0, pad)))[..., :V] if pad else self.lm_head(x)
+        # the loss in fp32 at least, even under autocast
+        flat = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        return logits, F.cross_entropy(flat.reshape(-1, V), targets.reshape(-1))
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=200):
@@ -245,7 +250,8 @@ _KNOWN_CONFIGS = set()  # configs of every GPT built in this process (to infer n
 # Written ONCE, over a small vocabulary of tensor ops that both backends provide:
 #   a @ b (o.matmul, optional transposes), + - * / with tensors or Python floats,
 #   o.exp o.log o.tanh o.rsqrt, o.sum o.mean o.max over one axis (kept), o.maximum,
-#   o.softmax, o.reshape, o.transpose, o.causal_mask.
+#   o.softmax, o.reshape, o.transpose, o.causal_mask, o.pad_mask;
+# and o.fused(fn), which may hand back a compiled version of a piece of the derivation.
 # TorchOps runs the calls eagerly; MILOps (section 4) records them as a Core ML program.
 # Every op here exists in MIL and runs on the ANE: no gather, scatter, one_hot, concat,
 # or split. The sparse work (embedding lookup, picking each target's row, scatter-adding
@@ -259,6 +265,9 @@ _KNOWN_CONFIGS = set()  # configs of every GPT built in this process (to infer n
 # backends unchanged; the per-head attention split is kept, as Apple recommends.
 
 
+_COMPILED = {}  # derivation function -> its torch.compile'd version (TorchOps.fused)
+
+
 class TorchOps:
     """PyTorch backend of the derivation: eager, no autograd, any device and dtype."""
     # Eager PyTorch keeps every cached tensor alive until the backward: the (B, H, T, T)
@@ -266,8 +275,19 @@ class TorchOps:
     # per context position in fp32), so this backend recomputes them in the backward.
     recompute_attention = True
 
-    def __init__(self, dtype, device):
-        self.dtype, self.device = dtype, torch.device(device)
+    def __init__(self, dtype, device, compile=False):
+        self.dtype, self.device, self.compile = dtype, torch.device(device), compile
+
+    def fused(self, fn):
+        # Eager, every op above is one kernel that reads and writes memory: a layernorm is
+        # ~10 passes where a fused kernel makes 2. With compile, torch.compile turns a whole
+        # piece of the derivation (a block's forward, its backward, the LM head) into fused
+        # kernels: the same calls, the same math, less memory traffic.
+        if not self.compile:
+            return fn
+        if fn not in _COMPILED:
+            _COMPILED[fn] = torch.compile(fn, dynamic=False)
+        return _COMPILED[fn]
 
     def matmul(self, a, b, ta=False, tb=False):
         a, b = (a.mT if ta else a), (b.mT if tb else b)
@@ -302,6 +322,11 @@ class TorchOps:
         # additive mask: 0 on and below the diagonal, -1e4 above. -1e4 (not -inf) because
         # fp16 tops out at 65504 and -inf - -inf = nan; exp(-1e4) is exactly 0 in any dtype.
         return torch.full((T, T), -1e4, dtype=self.dtype, device=self.device).triu(1)
+
+    def pad_mask(self, n, valid):
+        # additive (1, n) mask: 0 on the first `valid` columns, -1e4 on the rest
+        return torch.full((1, n), -1e4, dtype=self.dtype, device=self.device).index_fill_(
+            1, torch.arange(valid, device=self.device), 0.0)
 
 
 # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin) as in nn.Linear
@@ -440,8 +465,13 @@ def block_backward(o, dx, p, cache, B, T, H):
 # The vocabulary (50257) is wider than the ANE's 16384 limit, so W arrives in chunks and
 # the log-sum-exp is combined across chunks with a running max. The target logit is
 # x_n . W[target_n]: the host gathers those rows (wte_tgt) so the program has no gather.
-def lm_head_forward(o, x, chunks, w_tgt, N):
+# The last chunk ends in `pad` zero rows (vocab_chunks aligns the chunks): their logits
+# get -1e4, so exp() makes them exactly 0 in the softmax and in every gradient.
+def lm_head_forward(o, x, chunks, w_tgt, N, pad=0):
     z = [o.matmul(x, w, tb=True) for w in chunks]  # (N, Vc) each
+    if pad:
+        Vc = chunks[-1].shape[0]
+        z[-1] = z[-1] + o.pad_mask(Vc, Vc - pad)
     m = o.max(z[0], -1)
     for zc in z[1:]:
         m = o.maximum(m, o.max(zc, -1))
@@ -476,31 +506,37 @@ def dense_step(o, cfg, B, T, inp):
     inp['loss_scale'] (so fp16 weight gradients do not flush to zero)."""
     N, H, L = B * T, cfg.n_head, cfg.n_layer
     blocks = [{k: inp[f'h{l}_{k}'] for k in BLOCK_PARAMS} for l in range(L)]
-    chunks = [inp[f'wte_{j}'] for j in range(len(vocab_chunks(cfg.vocab_size)))]
+    rows, spans = vocab_chunks(cfg.vocab_size)
+    chunks = [inp[f'wte_{j}'] for j in range(len(spans))]
+    block_fwd, block_bwd, head_fwd, head_bwd = map(o.fused, (block_forward, block_backward,
+                                                             lm_head_forward, lm_head_backward))
     x, caches = inp['x0'], []
     for l in range(L):
-        x, c = block_forward(o, x, blocks[l], B, T, H)
+        x, c = block_fwd(o, x, blocks[l], B, T, H)
         caches.append(c)
     xf, lnf = layernorm_forward(o, x, inp['lnf_w'], inp['lnf_b'])
-    loss, head = lm_head_forward(o, xf, chunks, inp['wte_tgt'], N)
+    loss, head = head_fwd(o, xf, chunks, inp['wte_tgt'], N, pad=len(spans) * rows - cfg.vocab_size)
     # ---- backward: the same calls in reverse
     grads = {}
-    dxf, dws, grads['wte_tgt'] = lm_head_backward(o, chunks, inp['wte_tgt'], head,
-                                                  inp['loss_scale'] * (1.0 / N))
+    dxf, dws, grads['wte_tgt'] = head_bwd(o, chunks, inp['wte_tgt'], head, inp['loss_scale'] * (1.0 / N))
     grads.update({f'wte_{j}': dw for j, dw in enumerate(dws)})
     dx, grads['lnf_w'], grads['lnf_b'] = layernorm_backward(o, dxf, inp['lnf_w'], lnf)
     for l in reversed(range(L)):
-        dx, d = block_backward(o, dx, blocks[l], caches[l], B, T, H)
+        dx, d = block_bwd(o, dx, blocks[l], caches[l], B, T, H)
         grads.update({f'h{l}_{k}': v for k, v in d.items()})
     grads['x0'] = dx
     return loss, grads
 
 
 def vocab_chunks(V):
-    """[(start, end)] splitting the vocabulary into equal chunks of at most ANE_MAX_DIM."""
+    """(rows, [(start, end)]): the vocabulary in n equal chunks of `rows` rows, at most
+    ANE_MAX_DIM each. `rows` is rounded up to a multiple of 64, so every chunk's matrices
+    have aligned rows (tensor cores and the ANE both want aligned last dimensions; GPT-2's
+    odd 50257 makes every LM-head matmul take a slow path). The last chunk is padded
+    with zero rows past the vocabulary, masked out of the softmax (lm_head_forward)."""
     n = -(-V // ANE_MAX_DIM)
-    edges = [V * j // n for j in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    rows = (-(-V // n) + 63) // 64 * 64  # ceil(V / n), rounded up to a multiple of 64
+    return rows, [(j * rows, min(V, (j + 1) * rows)) for j in range(n)]
 
 
 def dense_input_shapes(cfg, B, T):
@@ -514,8 +550,9 @@ def dense_input_shapes(cfg, B, T):
     shapes = {'x0': (N, C), 'wte_tgt': (N, C), 'loss_scale': (1, 1), 'lnf_w': (C,), 'lnf_b': (C,)}
     for l in range(cfg.n_layer):
         shapes.update({f'h{l}_{k}': s for k, s in per_block.items()})
-    for j, (a, b) in enumerate(vocab_chunks(cfg.vocab_size)):
-        shapes[f'wte_{j}'] = (b - a, C)
+    rows, spans = vocab_chunks(cfg.vocab_size)
+    for j in range(len(spans)):
+        shapes[f'wte_{j}'] = (rows, C)
     return shapes
 
 
@@ -528,8 +565,9 @@ def host_weights(params, cfg):
         for k, (name, third) in BLOCK_PARAMS.items():
             w = params[f'transformer.h.{l}.{name}']
             inp[f'h{l}_{k}'] = w if third is None else w.chunk(3, 0)[third]
-    for j, (a, b) in enumerate(vocab_chunks(cfg.vocab_size)):
-        inp[f'wte_{j}'] = params['transformer.wte.weight'][a:b]
+    rows, spans = vocab_chunks(cfg.vocab_size)
+    for j, (a, b) in enumerate(spans):  # the last chunk padded with zero rows to `rows`
+        inp[f'wte_{j}'] = F.pad(params['transformer.wte.weight'][a:b], (0, 0, 0, rows - (b - a)))
     return inp
 
 
@@ -553,7 +591,7 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
     B, T = idx.shape
     C = cfg.n_embd
     g = {k: v.to(out_dtype) for k, v in g.items()}
-    dwte = torch.cat([g[f'wte_{j}'] for j in range(len(vocab_chunks(cfg.vocab_size)))], 0)
+    dwte = torch.cat([g[f'wte_{j}'][:b - a] for j, (a, b) in enumerate(vocab_chunks(cfg.vocab_size)[1])], 0)
     dwte.index_add_(0, idx.reshape(-1), g['x0'])        # d wte[idx[n]] += dx0[n]
     dwte.index_add_(0, targets.reshape(-1), g['wte_tgt'])  # d wte[target[n]] += dwte_tgt[n]
     dwpe = torch.zeros(cfg.block_size, C, dtype=out_dtype, device=dwte.device)
@@ -629,9 +667,9 @@ def grads_finite(grads):
     return bool(torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all())
 
 
-def eager_loss_and_grads(cfg, w, idx, targets, dtype, device, loss_scale):
+def eager_loss_and_grads(cfg, w, idx, targets, dtype, device, loss_scale, compile=False):
     """manual_loss_and_grads without the checks: weights `w` already in `dtype` on `device`."""
-    o = TorchOps(dtype, device)
+    o = TorchOps(dtype, device, compile)
     with torch.no_grad():
         loss, g = dense_step(o, cfg, idx.shape[0], idx.shape[1], host_inputs(w, cfg, idx, targets, loss_scale))
         out_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -684,6 +722,9 @@ class MILOps:
     def _u(self, op, x, **kw):
         return MILTensor(getattr(self.mb, op)(x=x.v, **kw))
 
+    def fused(self, fn):  # Core ML's compiler fuses the whole program itself
+        return fn
+
     def matmul(self, a, b, ta=False, tb=False):
         return MILTensor(self.mb.matmul(x=a.v, y=b.v, transpose_x=ta, transpose_y=tb))
 
@@ -701,8 +742,11 @@ class MILOps:
     def maximum(self, a, b):
         return MILTensor(self.mb.maximum(x=a.v, y=b.v))
 
-    def causal_mask(self, T):  # a constant of the program, as TorchOps.causal_mask
+    def causal_mask(self, T):  # constants of the program, as TorchOps' masks
         return MILTensor(self.mb.const(val=np.triu(np.full((T, T), -1e4, np.float16), 1)))
+
+    def pad_mask(self, n, valid):
+        return MILTensor(self.mb.const(val=np.where(np.arange(n) < valid, 0, -1e4).astype(np.float16)[None]))
 
 
 def import_coremltools():
@@ -715,7 +759,7 @@ def import_coremltools():
     return coremltools
 
 
-PROGRAM_FORMAT = 1  # bump when the program's inputs or outputs change meaning
+PROGRAM_FORMAT = 2  # bump when the program's inputs or outputs change meaning
 
 
 def build_coreml_program(cfg, B, T):
@@ -844,7 +888,7 @@ def coreml_predict_fn(path):
 
 class CoreMLEngine:
     """The ANE engine: the saved Core ML program, fed by the host's sparse work."""
-    name = 'ane'
+    name, stream = 'ane', None
     device = torch.device('cpu')
 
     def __init__(self, path, predict=None, config=None, microbatch=None, scaler=None):
@@ -920,6 +964,8 @@ def ensure_coreml_package(cfg, log=print):
 # -----------------------------------------------------------------------------
 # 5. Engines. Each computes (loss, grads) for one microbatch from the current weights:
 #   loss_and_grads(idx, targets) -> (0-dim loss tensor, {param name: gradient})
+# and has name, label, device, stream (its own CUDA stream, or None), holds_gil, scaler
+# (a LossScaler), load_weights(params) (once per step) and synchronize().
 # AutogradEngine: nanoGPT's model + autograd (the GPU: MPS or CUDA; or the CPU).
 # EagerEngine:    the derivation above run by PyTorch, no autograd. Off a Mac it stands
 #                 in for the ANE, in fp16 by default so its arithmetic is the ANE's.
@@ -927,8 +973,9 @@ def ensure_coreml_package(cfg, log=print):
 
 
 def engine_stream(device):
-    """Each engine on a CUDA device gets its own stream, so two engines on one GPU overlap
-    instead of queueing behind each other on the default stream."""
+    """The eager engine on a CUDA device gets its own stream, so that with the autograd
+    engine on the same GPU (which uses the default stream, where the optimizer updates the
+    weights) the two overlap instead of queueing behind each other."""
     return torch.cuda.Stream(device) if device.type == 'cuda' else None
 
 
@@ -943,7 +990,7 @@ class AutogradEngine:
     name, holds_gil = 'gpu', False
 
     def __init__(self, model, device, dtype, compile=False, scaler=None):
-        self.model, self.device, self.stream = model, device, engine_stream(device)
+        self.model, self.device, self.stream = model, device, None  # the default stream
         self.forward = torch.compile(model) if compile else model
         # bf16/fp16: autocast over fp32 master weights; fp32/fp64: the weights' own dtype
         self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16)
@@ -959,14 +1006,13 @@ class AutogradEngine:
     def loss_and_grads(self, idx, targets):
         for _, p in self.params:
             p.grad = None
-        with on_stream(self.stream):
-            with self.autocast:  # the forward only: backward ops take their forward's dtypes
-                _, loss = self.forward(idx.to(self.device, non_blocking=True),
-                                       targets.to(self.device, non_blocking=True))
-            if self.scaler.enabled:
-                (loss * self.scaler.scale).backward()
-            else:
-                loss.backward()
+        with self.autocast:  # the forward only: backward ops take their forward's dtypes
+            _, loss = self.forward(idx.to(self.device, non_blocking=True),
+                                   targets.to(self.device, non_blocking=True))
+        if self.scaler.enabled:
+            (loss * self.scaler.scale).backward()
+        else:
+            loss.backward()
         if self.scaler.enabled:  # unscale in fp32: the master weights' gradients are fp32
             return loss.detach(), {n: p.grad / self.scaler.scale for n, p in self.params}
         return loss.detach(), {n: p.grad for n, p in self.params}
@@ -978,8 +1024,8 @@ class AutogradEngine:
 class EagerEngine:
     name, holds_gil = 'ane', False
 
-    def __init__(self, cfg, device, dtype, scaler):
-        self.cfg, self.device, self.dtype, self.scaler = cfg, device, dtype, scaler
+    def __init__(self, cfg, device, dtype, scaler, compile=False):
+        self.cfg, self.device, self.dtype, self.scaler, self.compile = cfg, device, dtype, scaler, compile
         self.w, self.stream = None, engine_stream(device)
         self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
 
@@ -993,7 +1039,7 @@ class EagerEngine:
     def loss_and_grads(self, idx, targets):
         with on_stream(self.stream):
             return eager_loss_and_grads(self.cfg, self.w, idx.to(self.device), targets.to(self.device),
-                                        self.dtype, self.device, self.scaler.scale)
+                                        self.dtype, self.device, self.scaler.scale, self.compile)
 
     def synchronize(self):
         device_synchronize(self.device, self.stream)
@@ -1091,12 +1137,14 @@ def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
             else:
                 for k, v in g.items():
                     acc[k] += v
-            loss = loss + l.float()
+            loss = loss + l.float()  # a tensor: no wait for the device until the end
             if enqueued is not None and i == 0:
                 enqueued.set()
+        with on_stream(engine.stream):  # checked on the stream that made them: one wait
+            finite = grads_finite(acc | {'loss': loss})
         engine.synchronize()
         out.update(grads=acc, loss=float(loss), n=len(microbatches),
-                   seconds=time.perf_counter() - t0, finite=math.isfinite(float(loss)) and grads_finite(acc))
+                   seconds=time.perf_counter() - t0, finite=finite)
     except Exception as e:  # reported by the caller; training goes on with the other engine
         out['error'] = e
     finally:
@@ -1137,13 +1185,14 @@ class HeteroStep:
         # GPU busy and loss.backward() runs in C++ without the GIL. So the GPU thread
         # starts first and the ANE thread waits until the GPU has enqueued its first
         # microbatch's forward and backward; then both accelerators are busy at once.
+        working = sorted((n for n in self.alive if shares[n]), key=lambda n: n != 'gpu')
+        if len(working) == 1:  # one engine: run it right here, no thread to hand off to
+            run_engine(self.engines[working[0]], shares[working[0]], results.setdefault(working[0], {}))
         enqueued = threading.Event()
-        gil_bound = any(self.engines[n].holds_gil for n in self.alive if shares[n])
-        for name in sorted(self.alive, key=lambda n: n != 'gpu'):
-            if not shares[name]:
-                continue
+        gil_bound = any(self.engines[n].holds_gil for n in working)
+        for name in working if len(working) == 2 else []:
             results[name] = {}
-            wait = enqueued if (name != 'gpu' and gil_bound and shares['gpu'] and 'gpu' in self.alive) else None
+            wait = enqueued if name != 'gpu' and gil_bound else None
             futures.append(self.threads[name].submit(run_engine, self.engines[name], shares[name], results[name],
                                                      wait, enqueued if name == 'gpu' else None))
         for f in futures:
@@ -1198,8 +1247,8 @@ class HeteroStep:
                 g = gi if g is None else g + gi
             p.grad = (g.div_(n) if n > 1 else g).to(p.dtype)
         master = next(iter(self.params.values())).device
-        if master.type == 'cuda' and any(getattr(e, 'stream', None) is not None for e in self.engines.values()):
-            # the engines' gradient buffers were made on their streams and are freed after
+        if master.type == 'cuda' and any(self.engines[n].stream is not None for n in used):
+            # an engine's gradient buffers were made on its own stream and are freed after
             # this step: let the default stream finish reading them before they are reused
             torch.cuda.current_stream(master).synchronize()
         return dict(loss=sum(r['loss'] for r in used.values()) / n, used=sorted(used), results=results)
@@ -1449,7 +1498,12 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
             engines['ane'] = CoreMLEngine(ensure_coreml_package(cfg, log), model.config, scaler=scaler)
         else:
             ane_dev = device if cfg.ane_device == 'auto' else resolve_device(cfg.ane_device)
-            engines['ane'] = EagerEngine(model.config, ane_dev, resolve_dtype(cfg.ane_dtype, ane_dev), scaler)
+            engines['ane'] = EagerEngine(model.config, ane_dev, resolve_dtype(cfg.ane_dtype, ane_dev), scaler,
+                                         cfg.compile)
+            if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
+                # the CPU engine would take every core; leave one to the thread that feeds the
+                # GPU, whose kernel launches would otherwise wait behind the CPU's math
+                torch.set_num_threads(max(1, torch.get_num_threads() - 1))
             log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
     return engines
 
@@ -1571,7 +1625,8 @@ def train(cfg, given=frozenset()):
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(eval_at_seconds=next_eval_s)
                 while next_eval_s <= elapsed:
                     next_eval_s += cfg.eval_seconds
-            if it % cfg.eval_interval == 0 or it == cfg.max_iters or timed_eval:
+            scheduled = it % cfg.eval_interval == 0 or it == cfg.max_iters
+            if scheduled or timed_eval:
                 val = evaluate(model, evaluator, cfg, data['val'])
                 best_val = min(best_val, val)
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
@@ -1579,7 +1634,7 @@ def train(cfg, given=frozenset()):
             if row:  # the log first, then the checkpoint: a resumed run never lacks a row
                 metrics.write(json.dumps(row) + '\n')
                 metrics.flush()
-                if 'val_loss' in row:
+                if scheduled:  # not at timed evaluations: those can come every few seconds
                     checkpoint()
                 bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
                                  if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches')})
@@ -1611,7 +1666,7 @@ def bench(cfg, given):
     torch.manual_seed(cfg.seed)
     init = GPT(model_config(cfg)).state_dict()
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    rows, warmup = {}, 3
+    rows, warmup = {}, 5
     for mode in ('gpu', 'ane', 'hetero'):
         model, optimizer, engines, step, meter = build_run(cfg, device, dtype, mode)
         model.load_state_dict(init)

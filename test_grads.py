@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hetero_gpt import (GPT, GPTConfig, TorchOps, attention_backward, attention_forward, gelu_backward,
-                        gelu_forward, layernorm_backward, layernorm_forward, linear_backward, linear_forward,
+from hetero_gpt import (GPT, GPTConfig, TorchOps, attention_backward, attention_forward, eager_loss_and_grads,
+                        gelu_backward, gelu_forward, layernorm_backward, layernorm_forward, linear_backward, linear_forward,
                         lm_head_backward, lm_head_forward, manual_loss_and_grads, vocab_chunks)
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -125,19 +125,26 @@ def test_attention(B, T, H):
                 lambda o, dy, cache, *_: attention_backward(o, dy, cache, B, T, H), reference, [q, k, v])
 
 
-def test_lm_head_loss():
-    # chunks of a 37-row vocabulary, as the program sees them; gradient w.r.t. x and W
+@pytest.mark.parametrize('pad', [0, 5])
+def test_lm_head_loss(pad):
+    # a 37-row vocabulary in three chunks, as the program sees them (pad=5: the last chunk
+    # has 5 zero rows past the vocabulary, masked); gradient w.r.t. x and W
     N, C, V = 6, 8, 37
     x, w = torch.randn(N, C, dtype=torch.float64), torch.randn(V, C, dtype=torch.float64)
     tgt = torch.randint(0, V, (N,))
-    bounds = [(0, 10), (10, 25), (25, 37)]
+    bounds = [(0, 14), (14, 28), (28, 37)] if pad else [(0, 10), (10, 25), (25, 37)]
     o = TorchOps(torch.float64, 'cpu')
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     ref_loss = F.cross_entropy(xr @ wr.T, tgt)
     ref_loss.backward()
     chunks = [w[a:b] for a, b in bounds]
-    loss, cache = lm_head_forward(o, x, chunks, w[tgt], N)
+    if pad:
+        chunks[-1] = F.pad(chunks[-1], (0, 0, 0, pad))
+    loss, cache = lm_head_forward(o, x, chunks, w[tgt], N, pad=pad)
     dx, dws, dw_tgt = lm_head_backward(o, chunks, w[tgt], cache, 1.0 / N)
+    if pad:
+        assert dws[-1][-pad:].abs().max() == 0  # exp(-1e4 - lse) is exactly 0
+        dws[-1] = dws[-1][:-pad]
     dw = torch.cat(dws).index_add_(0, tgt, dw_tgt)  # the host's scatter-add of the target rows
     assert rel_err(loss.reshape(()), ref_loss) < TOL[torch.float64]
     assert rel_err(dx, xr.grad) < TOL[torch.float64]
@@ -145,11 +152,13 @@ def test_lm_head_loss():
 
 
 def test_vocab_chunks():
-    for V in (50, 16384, 16385, 50257, 50304):
-        ch = vocab_chunks(V)
-        assert ch[0][0] == 0 and ch[-1][1] == V and all(b - a <= 16384 for a, b in ch)
+    for V in (50, 16384, 16385, 50257, 50304, 100000):
+        rows, ch = vocab_chunks(V)
+        assert rows % 64 == 0 and rows <= 16384 and len(ch) == -(-V // 16384)
+        assert ch[0][0] == 0 and ch[-1][1] == V and all(b - a == rows for a, b in ch[:-1])
         assert all(ch[i][1] == ch[i + 1][0] for i in range(len(ch) - 1))
-    assert len(vocab_chunks(50257)) == 4
+        assert 0 < ch[-1][1] - ch[-1][0] <= rows
+    assert vocab_chunks(50257) == (12608, [(0, 12608), (12608, 25216), (25216, 37824), (37824, 50257)])
 
 
 # ---- the whole model, every gradient tensor
@@ -160,6 +169,19 @@ def test_model_grads(case, dtype):
     rows = compare_model(case, dtype)
     bad = [r for r in rows if not (r[4] and r[2] <= TOL[dtype])]
     assert not bad, f"{dtype}: {bad[:3]}"
+
+
+def test_compiled_derivation_matches_autograd():
+    # --compile runs the same derivation through torch.compile (TorchOps.fused): fused
+    # kernels reorder fp32 sums, so it is held to the fp32 bound against fp64 autograd
+    case = CONFIGS[0]
+    params, idx, targets, ref_loss, ref = autograd_reference(case['cfg'], case['B'], case['T'])
+    w = {k: v.detach().float() for k, v in params.items()}
+    loss, grads = eager_loss_and_grads(case['cfg'], w, idx, targets, torch.float32, torch.device('cpu'), 1.0,
+                                       compile=True)
+    assert abs(loss.item() - ref_loss) / ref_loss < TOL[torch.float32]
+    worst = max((rel_err(grads[k], ref[k]), k) for k in ref)
+    assert worst[0] <= TOL[torch.float32], worst
 
 
 @pytest.mark.parametrize('case', CONFIGS, ids=['2L4H-V20000-T7', '1L1H-V50-T8'])

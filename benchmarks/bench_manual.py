@@ -4,6 +4,10 @@ of the same GPT-2, side by side in one run: tokens/s and peak memory per step.
 GPT-2 124M, batch 12 x 1024 by default; 3 warm-up and 10 timed steps each, median.
 
     python benchmarks/bench_manual.py            # on a CUDA GPU
+
+Eager rows for fp32, bf16 and fp16; then, for --compiled dtypes, both sides under
+torch.compile (autograd: the compiled model; manual: the derivation's pieces compiled by
+TorchOps.fused, as `--compile` does for the eager engine).
 Peak memory is what one step allocates above the weights (torch.cuda.max_memory_allocated
 after reset, minus what was allocated before the step).
 """
@@ -25,6 +29,7 @@ p.add_argument('--n_layer', type=int, default=12)
 p.add_argument('--n_embd', type=int, default=768)
 p.add_argument('--n_head', type=int, default=12)
 p.add_argument('--iters', type=int, default=10)
+p.add_argument('--compiled', default='bfloat16,float16', help="dtypes to also time compiled ('' for none)")
 a = p.parse_args()
 
 device = torch.device('cuda')
@@ -52,27 +57,31 @@ def measure(fn):
     return a.batch_size * a.block_size / statistics.median(times[3:]), peak / 2**30
 
 
-def autograd(dtype):
+def autograd(dtype, compile=False):
     ctx = torch.autocast('cuda', dtype=dtype) if dtype != torch.float32 else torch.autocast('cuda', enabled=False)
+    forward = torch.compile(model) if compile else model
 
     def fn():
         for q in params.values():
             q.grad = None
         with ctx:
-            _, loss = model(x, y)
+            _, loss = forward(x, y)
         loss.backward()
         return {k: q.grad for k, q in params.items()}
     return fn
 
 
-def manual(dtype, scale):
+def manual(dtype, scale, compile=False):
     w = {k: v.detach().to(dtype) for k, v in params.items()}  # the engine's weight buffers
-    return lambda: hg.eager_loss_and_grads(cfg, w, x, y, dtype, device, scale)[1]
+    return lambda: hg.eager_loss_and_grads(cfg, w, x, y, dtype, device, scale, compile)[1]
 
 
-rows = [('fp32 (TF32 matmuls)', autograd(torch.float32), manual(torch.float32, 1.0)),
-        ('bf16 (autograd: autocast; manual: bf16 weights)', autograd(torch.bfloat16), manual(torch.bfloat16, 1.0)),
-        ('fp16 (autograd: autocast; manual: fp16, loss scale 1024)', autograd(torch.float16), manual(torch.float16, 1024.0))]
+names = {torch.float32: 'fp32 (TF32 matmuls)', torch.bfloat16: 'bf16 (autograd: autocast; manual: bf16 weights)',
+         torch.float16: 'fp16 (autograd: autocast; manual: fp16, loss scale 1024)'}
+scales = {torch.float32: 1.0, torch.bfloat16: 1.0, torch.float16: 1024.0}
+rows = [(name, autograd(d), manual(d, scales[d])) for d, name in names.items()]
+rows += [(names[d] + ', both compiled', autograd(d, True), manual(d, scales[d], True))
+         for d in (getattr(torch, n) for n in a.compiled.split(',') if n)]
 print(f"GPT-2 {sum(q.numel() for q in params.values()) / 1e6:.1f}M, batch {a.batch_size} x {a.block_size}, "
       f"{torch.cuda.get_device_name()}")
 print("| precision | autograd tok/s | manual tok/s | manual/autograd | autograd peak GiB | manual peak GiB |")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The H200 measurements of issues 2 and 3, in one call: ours vs nanoGPT's bench.py, and
-# the manual step vs autograd. NANOGPT: a checkout of karpathy/nanoGPT (not in this repo).
+# Issues 2 and 3 on the H200, in one call: ours vs nanoGPT's bench.py, and the hand-derived
+# step vs autograd. NANOGPT: a checkout of karpathy/nanoGPT (not in this repo).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -c "import tqdm" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__)"
-python3 benchmarks/bench_manual.py
-python3 benchmarks/compare_nanogpt.py --nanogpt "${NANOGPT:-.bench/nanoGPT}"
+timeout ${LIMIT_NANO:-330} python3 benchmarks/compare_nanogpt.py --nanogpt "${NANOGPT:-.bench/nanoGPT}"
+timeout ${LIMIT_MANUAL:-200} python3 benchmarks/bench_manual.py --compiled "${COMPILED:-}"

@@ -114,7 +114,7 @@ class FakeEngine:
 
     def __init__(self, name, seconds, grads, fail=False):
         self.name, self.seconds, self.grads, self.fail = name, seconds, grads, fail
-        self.holds_gil, self.label, self.device = False, f'fake {name}', torch.device('cpu')
+        self.holds_gil, self.label, self.device, self.stream = False, f'fake {name}', torch.device('cpu'), None
         self.scaler = hg.LossScaler(1024.0, 2)
         self.calls = 0
 
