@@ -37,7 +37,8 @@ import hetero_gpt as hg
 
 MODES = ('gpu', 'ane', 'hetero')
 OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume', 'bench')  # compare.py sets or forbids these
-UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_package')  # may differ when a run is reused
+UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_package', 'device')  # may differ when a run is reused
+# (device too: finished runs made on a GPU machine can be summarized on another one)
 
 # -----------------------------------------------------------------------------
 # Statistics
@@ -193,7 +194,7 @@ def run_one(flags, mode, seed, out_dir):
     saved_path, saved = os.path.join(run_dir, 'compare_config.json'), None
     if os.path.exists(saved_path):
         with open(saved_path) as f:
-            saved = json.load(f)
+            saved = {k: v for k, v in json.load(f).items() if k not in UNCHECKED}
     if (os.path.exists(metrics) or os.path.exists(ckpt)) and saved != settings:
         diff = ', '.join(f'{k}: {(saved or {}).get(k)} there, {v} now' for k, v in settings.items()
                          if (saved or {}).get(k) != v)

@@ -90,7 +90,7 @@ class Config:
     sample_tokens: int = opt(200, "tokens of text sampled at the end (0: none)")
     seed: int = opt(1337, "seed for weights and batch order")
     bench: bool = opt(False, "time gpu, ane and hetero side by side and print the table, then exit")
-    bench_iters: int = opt(10, "timed steps per mode with --bench (after 5 warm-up steps)")
+    bench_iters: int = opt(10, "timed steps per mode with --bench (after >= 5 warm-up steps and 3 s)")
     quiet: bool = opt(False, "no progress bar")
 
 
@@ -195,6 +195,11 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # the aligned LM-head matmul's bias (see forward): 0 on the vocabulary, -inf on the
+        # padding rows up to a multiple of 64. A constant, not saved with the weights.
+        pad = -config.vocab_size % 64
+        self.register_buffer('vocab_bias', F.pad(torch.zeros(config.vocab_size), (0, pad), value=-math.inf)
+                             if pad else None, persistent=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():  # GPT-2's scaled init of residual projections
@@ -223,13 +228,19 @@ class GPT(nn.Module):
             return self.lm_head(x[:, [-1], :]), None
         # Tensor cores want aligned rows: with GPT-2's odd 50257, all three LM-head matmuls
         # (forward, d x, d W) take a slow path (bf16 on an H200: 62 vs 42 ms a step). So the
-        # matmul runs on the weight padded with zero rows to a multiple of 64, and the
-        # padded logits are dropped: the same logits and gradients, faster.
-        V, pad = self.config.vocab_size, -self.config.vocab_size % 64
-        logits = F.linear(x, F.pad(self.lm_head.weight, (0, 0, 0, pad)))[..., :V] if pad else self.lm_head(x)
-        # the loss in fp32 at least, even under autocast
-        flat = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        return logits, F.cross_entropy(flat.reshape(-1, V), targets.reshape(-1))
+        # matmul runs on the weight padded with zero rows to a multiple of 64, with a bias of
+        # -inf on those rows: their logits drop out of the softmax (exp(-inf) = 0) and get
+        # no gradient, so loss and gradients are GPT-2's, at the aligned speed.
+        if self.vocab_bias is not None:
+            pad = len(self.vocab_bias) - self.config.vocab_size
+            logits = F.linear(x, F.pad(self.lm_head.weight, (0, 0, 0, pad)), self.vocab_bias)
+        else:
+            logits = self.lm_head(x)
+        # log-probabilities in fp32 at least, even under autocast (read straight from the
+        # fp16/bf16 logits: no fp32 copy of them first)
+        low = logits.dtype in (torch.float16, torch.bfloat16)
+        logp = F.log_softmax(logits.view(-1, logits.size(-1)), dim=-1, dtype=torch.float32 if low else None)
+        return logits[..., :self.config.vocab_size], F.nll_loss(logp, targets.reshape(-1))
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=200):
@@ -1666,18 +1677,25 @@ def bench(cfg, given):
     torch.manual_seed(cfg.seed)
     init = GPT(model_config(cfg)).state_dict()
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    rows, warmup = {}, 5
+    rows = {}
     for mode in ('gpu', 'ane', 'hetero'):
         model, optimizer, engines, step, meter = build_run(cfg, device, dtype, mode)
         model.load_state_dict(init)
         split = step.split
-        for it in range(warmup + cfg.bench_iters):
-            if it == warmup:
-                device_synchronize(device)
-                t0, j0 = time.perf_counter(), meter.joules()
+
+        def train_step(it):
             step(step_batches(cfg, data['train'], it))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        # warm-up: at least 5 steps and 3 seconds (GPU clocks, allocator, the auto split)
+        w, start = 0, time.perf_counter()
+        while w < 5 or time.perf_counter() - start < 3.0:
+            train_step(w)
+            w += 1
+        device_synchronize(device)
+        t0, j0 = time.perf_counter(), meter.joules()
+        for i in range(cfg.bench_iters):
+            train_step(10**6 + i)  # the same timed batches in every mode
         device_synchronize(device)
         dt, j = time.perf_counter() - t0, meter.joules()
         n_tok = tok_per_step * cfg.bench_iters
