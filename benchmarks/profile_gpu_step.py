@@ -1,0 +1,77 @@
+"""Where does our bf16 GPU step lose to nanoGPT's (same architecture: bias=True)? Times
+forward+backward alone and the whole step (+ fused AdamW; ours through HeteroStep), then
+prints the top CUDA kernels of one forward+backward of each model (torch.profiler).
+
+    NANOGPT=.bench/nanoGPT python benchmarks/profile_gpu_step.py
+"""
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, here)
+sys.path.insert(0, os.environ.get('NANOGPT', os.path.join(here, '.bench', 'nanoGPT')))
+import hetero_gpt as hg  # noqa: E402
+import model as nano  # noqa: E402  (nanoGPT's model.py)
+
+torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+dev = torch.device('cuda')
+torch.manual_seed(0)
+ours = hg.GPT(hg.GPTConfig()).to(dev)
+theirs = nano.GPT(nano.GPTConfig(bias=True, dropout=0.0)).to(dev)
+x, y = (torch.randint(50257, (12, 1024), device=dev) for _ in range(2))
+
+
+def fwd_bwd(m):
+    def f():
+        m.zero_grad(set_to_none=True)
+        with torch.autocast('cuda', dtype=torch.bfloat16):
+            _, loss = m(x, y)
+        loss.backward()
+    return f
+
+
+def timeit(name, fn, n=10):
+    ts = []
+    for i in range(3 + n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    print(f"{name:50} {1000 * statistics.median(ts[3:]):8.2f} ms", flush=True)
+
+
+timeit('nanoGPT bias=True: forward+backward', fwd_bwd(theirs))
+timeit('ours: forward+backward', fwd_bwd(ours))
+opt_t = theirs.configure_optimizers(0.1, 6e-4, (0.9, 0.95), 'cuda')
+cfg = hg.Config()
+opt_o = hg.make_optimizer(ours, cfg, dev)
+step = hg.HeteroStep(ours, {'gpu': hg.AutogradEngine(ours, dev, torch.bfloat16)}, hg.Split(1, '0'))
+
+
+def theirs_step():
+    fwd_bwd(theirs)()
+    opt_t.step()
+
+
+def ours_step():
+    step([(x, y)])
+    opt_o.step()
+    opt_o.zero_grad(set_to_none=True)
+
+
+timeit('nanoGPT: forward+backward+AdamW', theirs_step)
+timeit('ours: HeteroStep+AdamW', ours_step)
+timeit('ours: HeteroStep alone', lambda: step([(x, y)]))
+for name, m in (('nanoGPT', theirs), ('ours', ours)):
+    f = fwd_bwd(m)
+    f()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        f()
+        torch.cuda.synchronize()
+    print(f"==== {name}")
+    print(prof.key_averages().table(sort_by='cuda_time_total', row_limit=22, max_name_column_width=70))
