@@ -195,11 +195,6 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # the aligned LM-head matmul's bias (see forward): 0 on the vocabulary, -inf on the
-        # padding rows up to a multiple of 64. A constant, not saved with the weights.
-        pad = -config.vocab_size % 64
-        self.register_buffer('vocab_bias', F.pad(torch.zeros(config.vocab_size), (0, pad), value=-math.inf)
-                             if pad else None, persistent=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():  # GPT-2's scaled init of residual projections
@@ -228,19 +223,16 @@ class GPT(nn.Module):
             return self.lm_head(x[:, [-1], :]), None
         # Tensor cores want aligned rows: with GPT-2's odd 50257, all three LM-head matmuls
         # (forward, d x, d W) take a slow path (bf16 on an H200: 62 vs 42 ms a step). So the
-        # matmul runs on the weight padded with zero rows to a multiple of 64, with a bias of
-        # -inf on those rows: their logits drop out of the softmax (exp(-inf) = 0) and get
-        # no gradient, so loss and gradients are GPT-2's, at the aligned speed.
-        if self.vocab_bias is not None:
-            pad = len(self.vocab_bias) - self.config.vocab_size
-            logits = F.linear(x, F.pad(self.lm_head.weight, (0, 0, 0, pad)), self.vocab_bias)
-        else:
-            logits = self.lm_head(x)
-        # log-probabilities in fp32 at least, even under autocast (read straight from the
-        # fp16/bf16 logits: no fp32 copy of them first)
-        low = logits.dtype in (torch.float16, torch.bfloat16)
-        logp = F.log_softmax(logits.view(-1, logits.size(-1)), dim=-1, dtype=torch.float32 if low else None)
-        return logits[..., :self.config.vocab_size], F.nll_loss(logp, targets.reshape(-1))
+        # matmul runs on the weight padded with zero rows to a multiple of 64, and the padded
+        # logits are set to -inf: they drop out of the softmax (exp(-inf) = 0) and get no
+        # gradient, so loss and gradients are GPT-2's, at the aligned speed.
+        V = self.config.vocab_size
+        logits = F.linear(x, F.pad(self.lm_head.weight, (0, 0, 0, -V % 64)))
+        logits[..., V:] = -math.inf
+        # under autocast the log-softmax inside cross_entropy runs in fp32, read straight
+        # from the bf16/fp16 logits (autocast's policy for softmax ops)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits[..., :V], loss
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=200):
