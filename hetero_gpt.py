@@ -226,9 +226,10 @@ class GPT(nn.Module):
         # matmul runs on the weight padded with zero rows to a multiple of 64, and the padded
         # logits are set to -inf: they drop out of the softmax (exp(-inf) = 0) and get no
         # gradient, so loss and gradients are GPT-2's, at the aligned speed.
-        V = self.config.vocab_size
-        logits = F.linear(x, F.pad(self.lm_head.weight, (0, 0, 0, -V % 64)))
-        logits[..., V:] = -math.inf
+        V, pad = self.config.vocab_size, -self.config.vocab_size % 64
+        logits = F.linear(x, F.pad(self.lm_head.weight, (0, 0, 0, pad)) if pad else self.lm_head.weight)
+        if pad:
+            logits[..., V:] = -math.inf
         # under autocast the log-softmax inside cross_entropy runs in fp32, read straight
         # from the bf16/fp16 logits (autocast's policy for softmax ops)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
