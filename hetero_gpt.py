@@ -984,10 +984,8 @@ def engine_stream(device):
 
 
 def on_stream(stream):
-    if stream is None:
-        return contextlib.nullcontext()
-    stream.wait_stream(torch.cuda.current_stream(stream.device))  # weights written there first
-    return torch.cuda.stream(stream)
+    """Make an engine's own stream the current one (nothing to do without one)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 class AutogradEngine:
@@ -1034,11 +1032,17 @@ class EagerEngine:
         self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
 
     def load_weights(self, params):
-        # once per step, into buffers reused across steps (no new allocation per step)
+        # once per step, into buffers reused across steps (no new allocation per step).
+        # The optimizer updated the weights on the default stream: this engine's stream
+        # waits for that here, once, and not later, when the default stream is busy with
+        # the GPU engine's work, which this engine must overlap, not wait for.
         if self.w is None:
             self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device) for k, p in params.items()}
-        for k, p in params.items():
-            self.w[k].copy_(p.detach())
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with on_stream(self.stream):
+            for k, p in params.items():
+                self.w[k].copy_(p.detach())
 
     def loss_and_grads(self, idx, targets):
         with on_stream(self.stream):
@@ -1144,7 +1148,7 @@ def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
             loss = loss + l.float()  # a tensor: no wait for the device until the end
             if enqueued is not None and i == 0:
                 enqueued.set()
-        with on_stream(engine.stream):  # checked on the stream that made them: one wait
+        with on_stream(engine.stream):  # checked on the stream that made them, then one wait
             finite = grads_finite(acc | {'loss': loss})
         engine.synchronize()
         out.update(grads=acc, loss=float(loss), n=len(microbatches),
