@@ -260,14 +260,18 @@ def main():
             print(f"{'tensor':40} {'max abs diff':>13} {'rel diff':>10} {'cosine':>12}")
             for name, d, rel, cos, fin in rows:
                 print(f"{name:40} {d:13.3e} {rel:10.2e} {cos:12.9f}" + ('' if fin else '  NON-FINITE'))
-    pieces = [test_linear, test_layernorm, test_gelu, lambda: test_attention(2, 5, 3), test_lm_head_loss,
-              test_training_steps_match_autograd, test_bad_input]
-    for t in pieces:
+    pieces = {'linear': test_linear, 'layernorm': test_layernorm, 'gelu': test_gelu,
+              'attention': lambda: test_attention(2, 5, 3), 'lm_head': lambda: test_lm_head_loss(0),
+              'lm_head, padded chunk': lambda: test_lm_head_loss(5), 'vocab_chunks': test_vocab_chunks,
+              'compiled derivation': test_compiled_derivation_matches_autograd,
+              'training steps': test_training_steps_match_autograd, 'bad input': test_bad_input}
+    for name, t in pieces.items():
         try:
             t()
+            print(f"ok   {name}")
         except AssertionError as e:
             ok = False
-            print(f"FAIL {getattr(t, '__name__', 'attention')}: {e}")
+            print(f"FAIL {name}: {e}")
     print('\nPASS' if ok else '\nFAIL')
     return ok
 
