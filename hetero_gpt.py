@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 ON_MAC = sys.platform == 'darwin'
 ANE_MAX_DIM = 16384  # the ANE rejects tensors with any dimension above ~16384 (ANE_NOTES)
+CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per core
 
 # -----------------------------------------------------------------------------
 # 1. Configuration: every setting, its default, and one line on what it does.
@@ -1020,7 +1021,9 @@ class AutogradEngine:
         return loss.detach(), {n: p.grad for n, p in self.params}
 
     def synchronize(self):
-        device_synchronize(self.device, self.stream)
+        # its own work only: the default stream, not the whole device, which may also be
+        # running the eager engine's stream
+        device_synchronize(self.device, torch.cuda.current_stream(self.device) if self.device.type == 'cuda' else None)
 
 
 class EagerEngine:
@@ -1511,7 +1514,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
                 # the CPU engine would take every core; leave one to the thread that feeds the
                 # GPU, whose kernel launches would otherwise wait behind the CPU's math
-                torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+                torch.set_num_threads(max(1, CPU_THREADS - 1))
             log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
     return engines
 
