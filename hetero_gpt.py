@@ -228,9 +228,11 @@ class GPT(nn.Module):
         # logits are set to -inf: they drop out of the softmax (exp(-inf) = 0) and get no
         # gradient, so loss and gradients are GPT-2's, at the aligned speed.
         V, pad = self.config.vocab_size, -self.config.vocab_size % 64
-        logits = F.linear(x, F.pad(self.lm_head.weight, (0, 0, 0, pad)) if pad else self.lm_head.weight)
         if pad:
+            logits = F.linear(x, F.pad(self.lm_head.weight, (0, 0, 0, pad)))
             logits[..., V:] = -math.inf
+        else:
+            logits = self.lm_head(x)
         # under autocast the log-softmax inside cross_entropy runs in fp32, read straight
         # from the bf16/fp16 logits (autocast's policy for softmax ops)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
@@ -330,8 +332,9 @@ class TorchOps:
 
     def pad_mask(self, n, valid):
         # additive (1, n) mask: 0 on the first `valid` columns, -1e4 on the rest
-        return torch.full((1, n), -1e4, dtype=self.dtype, device=self.device).index_fill_(
-            1, torch.arange(valid, device=self.device), 0.0)
+        mask = torch.zeros((1, n), dtype=self.dtype, device=self.device)
+        mask[:, valid:] = -1e4
+        return mask
 
 
 # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin) as in nn.Linear
@@ -1012,12 +1015,10 @@ class AutogradEngine:
         with self.autocast:  # the forward only: backward ops take their forward's dtypes
             _, loss = self.forward(idx.to(self.device, non_blocking=True),
                                    targets.to(self.device, non_blocking=True))
-        if self.scaler.enabled:
-            (loss * self.scaler.scale).backward()
-        else:
-            loss.backward()
         if self.scaler.enabled:  # unscale in fp32: the master weights' gradients are fp32
+            (loss * self.scaler.scale).backward()
             return loss.detach(), {n: p.grad / self.scaler.scale for n, p in self.params}
+        loss.backward()
         return loss.detach(), {n: p.grad for n, p in self.params}
 
     def synchronize(self):
@@ -1187,7 +1188,6 @@ class HeteroStep:
     def __call__(self, microbatches):
         k = self.split.assign(self.alive)
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
-        results, futures = {}, []
         for name in self.alive:
             if name != 'gpu' and shares[name]:
                 self.engines[name].load_weights(self.params)
@@ -1197,17 +1197,17 @@ class HeteroStep:
         # starts first and the ANE thread waits until the GPU has enqueued its first
         # microbatch's forward and backward; then both accelerators are busy at once.
         working = sorted((n for n in self.alive if shares[n]), key=lambda n: n != 'gpu')
+        results = {name: {} for name in working}
         if len(working) == 1:  # one engine: run it right here, no thread to hand off to
-            run_engine(self.engines[working[0]], shares[working[0]], results.setdefault(working[0], {}))
-        enqueued = threading.Event()
-        gil_bound = any(self.engines[n].holds_gil for n in working)
-        for name in working if len(working) == 2 else []:
-            results[name] = {}
-            wait = enqueued if name != 'gpu' and gil_bound else None
-            futures.append(self.threads[name].submit(run_engine, self.engines[name], shares[name], results[name],
-                                                     wait, enqueued if name == 'gpu' else None))
-        for f in futures:
-            f.result()
+            run_engine(self.engines[working[0]], shares[working[0]], results[working[0]])
+        else:
+            enqueued = threading.Event()
+            gil_bound = any(self.engines[n].holds_gil for n in working)
+            futures = [self.threads[name].submit(run_engine, self.engines[name], shares[name], results[name],
+                                                 enqueued if name != 'gpu' and gil_bound else None,
+                                                 enqueued if name == 'gpu' else None) for name in working]
+            for f in futures:
+                f.result()
         self._recover(results, shares)
         return self._combine(results)
 
