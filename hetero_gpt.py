@@ -1037,13 +1037,14 @@ class EagerEngine:
 
     def load_weights(self, params):
         # once per step, into buffers reused across steps (no new allocation per step).
-        # The optimizer updated the weights on the default stream: this engine's stream
+        # The optimizer updated the weights on their GPU's default stream: this engine's stream
         # waits for that here, once, and not later, when the default stream is busy with
         # the GPU engine's work, which this engine must overlap, not wait for.
         if self.w is None:
             self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device) for k, p in params.items()}
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        src = next(iter(params.values())).device  # the master weights' device (maybe another GPU)
+        if self.stream is not None and src.type == 'cuda':
+            self.stream.wait_stream(torch.cuda.current_stream(src))
         with on_stream(self.stream):
             for k, p in params.items():
                 self.w[k].copy_(p.detach())

@@ -22,6 +22,7 @@ if [[ " ${CASES:-A B} " == *" B "* ]]; then
 fi
 if [[ " ${CASES:-A B} " == *" C "* ]]; then
   echo "== C: two GPUs, GPT-2 124M"
+  nvidia-smi -L; nvidia-smi topo -m
   timeout 150 python3 hetero_gpt.py $common --device cuda:0 --ane_device cuda:1 --ane_dtype float16 --batch_size 4 \
       --block_size 1024 --gradient_accumulation_steps 8 --bench_iters 20
   # the split's convergence and the loss curve against GPU-only, step by step (same seed, same batches)
