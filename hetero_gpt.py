@@ -1141,20 +1141,23 @@ def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
             wait_for.wait(timeout=60)
         t0 = time.perf_counter()
         acc, loss = None, 0.0
-        for i, (idx, targets) in enumerate(microbatches):
-            l, g = engine.loss_and_grads(idx, targets)
-            if acc is None:
-                # sum in fp32 at least (fp16/bf16 gradients are widened; fp64 stays fp64).
-                # No copy needed: every call returns freshly allocated gradient tensors.
-                acc = {k: v if v.dtype in (torch.float32, torch.float64) else v.float() for k, v in g.items()}
-            else:
-                for k, v in g.items():
-                    acc[k] += v
-            loss = loss + l.float()  # a tensor: no wait for the device until the end
-            if enqueued is not None and i == 0:
-                enqueued.set()
-        with on_stream(engine.stream):  # checked on the stream that made them, then one wait
-            finite = grads_finite(acc | {'loss': loss})
+        # Everything below runs on the engine's own stream, the sums too: a kernel on
+        # another stream (this thread's default one) would read the gradients before the
+        # engine's stream has finished writing them. CUDA orders work within a stream only.
+        with on_stream(engine.stream):
+            for i, (idx, targets) in enumerate(microbatches):
+                l, g = engine.loss_and_grads(idx, targets)
+                if acc is None:
+                    # sum in fp32 at least (fp16/bf16 gradients are widened; fp64 stays fp64).
+                    # No copy needed: every call returns freshly allocated gradient tensors.
+                    acc = {k: v if v.dtype in (torch.float32, torch.float64) else v.float() for k, v in g.items()}
+                else:
+                    for k, v in g.items():
+                        acc[k] += v
+                loss = loss + l.float()  # a tensor: no wait for the device until the end
+                if enqueued is not None and i == 0:
+                    enqueued.set()
+            finite = grads_finite(acc | {'loss': loss})  # then one wait for loss and finiteness
         engine.synchronize()
         out.update(grads=acc, loss=float(loss), n=len(microbatches),
                    seconds=time.perf_counter() - t0, finite=finite)
@@ -1625,6 +1628,7 @@ def train(cfg, given=frozenset()):
                 for n, r in out['results'].items():
                     if 'seconds' in r:
                         row[f'{n}_tokens_per_s'] = r['n'] * cfg.batch_size * cfg.block_size / r['seconds']
+                        row[f'{n}_loss'] = r['loss'] / r['n']  # each engine's own mean: a check on the other
                 if 'ane' in engines:
                     row['loss_scale'] = engines['ane'].scaler.scale
                 j = meter.joules()

@@ -34,9 +34,12 @@ if [[ " ${CASES:-A B} " == *" C "* ]]; then
   python3 - <<'PY'
 import json
 rows = {m: [json.loads(l) for l in open(f'out/two_gpu_{m}/metrics.jsonl')] for m in ('gpu', 'hetero')}
-print('step  gpu loss  hetero loss  ANE microbatches')
+print('step  gpu loss  hetero loss  (its gpu / ane engine)  ANE microbatches  dropped')
 for g, h in zip(rows['gpu'], rows['hetero']):
     if 'loss' in g and 'loss' in h:
-        print(f"{g['step']:4d}  {g['loss']:8.4f}  {h['loss']:11.4f}  {h['ane_microbatches']}/{h['microbatches']}")
+        print(f"{g['step']:4d}  {g['loss']:8.4f}  {h['loss']:11.4f}  ({h.get('gpu_loss', float('nan')):.4f} / "
+              f"{h.get('ane_loss', float('nan')):.4f})  {h['ane_microbatches']}/{h['microbatches']}  {h['dropped']}")
+d = [abs(g['loss'] - h['loss']) / g['loss'] for g, h in zip(rows['gpu'], rows['hetero']) if 'loss' in g and 'loss' in h]
+print(f"hetero vs gpu loss, relative difference: max {max(d):.4f}, mean {sum(d) / len(d):.4f} over {len(d)} steps")
 PY
 fi
