@@ -257,11 +257,28 @@ def plot(runs, path):
     return path
 
 
+def seed_list(s):
+    """'3' -> [1, 2, 3]; '1-4,9' -> [1, 2, 3, 4, 9]."""
+    try:
+        if s.isdigit():
+            return list(range(1, int(s) + 1))
+        out = []
+        for part in s.split(','):
+            a, _, b = part.partition('-')
+            out += list(range(int(a), int(b or a) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: give a count (3) or seeds and ranges (1-4,9)") from None
+    if len(set(out)) != len(out) or min(out, default=1) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: seeds are positive and listed once")
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[1], allow_abbrev=False,
                                      epilog="Other flags go to hetero_gpt.py (python hetero_gpt.py --help).",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--seeds', type=int, default=3, help="seeds 1..N per mode (at least 2)")
+    parser.add_argument('--seeds', type=seed_list, default='3',
+                        help="N (seeds 1..N) or a list such as 1-4,9 (several machines can share a comparison)")
     parser.add_argument('--margin', type=float, default=0.01, help="equivalence margin on the perplexity ratio")
     parser.add_argument('--alpha', type=float, default=0.05, help="significance level")
     parser.add_argument('--out_dir', default='out/compare', help="runs, summary.json and compare.png")
@@ -277,12 +294,12 @@ def compare(args, flags):
     clash = sorted({a[2:].split('=')[0] for a in flags if a.startswith('--')} & set(OWN_FLAGS))
     if clash:
         raise hg.UserError(f"compare.py sets --{', --'.join(clash)} itself (seeds: --seeds N)")
-    if args.seeds < 2:
+    if len(args.seeds) < 2:
         raise hg.UserError(f"--seeds {args.seeds}: paired tests need at least 2 seeds (3 or more recommended)")
     if not (0 < args.margin < 1 and 0 < args.alpha < 0.5):
         raise hg.UserError("--margin must be in (0, 1) and --alpha in (0, 0.5)")
     hg.parse_args(flags)  # unknown or malformed flags fail here, before any training
-    seeds = range(1, args.seeds + 1)
+    seeds = args.seeds
     # seed by seed, so an interrupted comparison has whole seeds (every mode) done
     done = {(m, s): run_one(flags, m, s, args.out_dir) for s in seeds for m in MODES}
     runs = {m: [done[m, s] for s in seeds] for m in MODES}
@@ -297,7 +314,7 @@ def compare(args, flags):
     ttest = paired_ttest(ppl['ane'], ppl['gpu'], args.alpha)
 
     last = runs['gpu'][0][-1]
-    print(f"\nfinal validation perplexity (full validation split), {args.seeds} seeds, "
+    print(f"\nfinal validation perplexity (full validation split), {len(seeds)} seeds, "
           f"step {last['step']}, {last['tokens']:,} tokens per run")
     print(f"{'mode':8} {'mean':>10} {'sd':>9} {'95% CI':>23} {'tokens/s':>10} {'tokens/train s':>15}")
     for m, s in modes.items():

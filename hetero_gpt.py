@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -91,7 +92,8 @@ class Config:
     sample_tokens: int = opt(200, "tokens of text sampled at the end (0: none)")
     seed: int = opt(1337, "seed for weights and batch order")
     bench: bool = opt(False, "time gpu, ane and hetero side by side and print the table, then exit")
-    bench_iters: int = opt(10, "timed steps per mode with --bench (after >= 5 warm-up steps and 3 s)")
+    bench_iters: int = opt(10, "timed steps per mode and round with --bench (after >= 5 warm-up steps and 3 s)")
+    bench_repeats: int = opt(3, "rounds of --bench: the modes take turns, each reports its median round")
     quiet: bool = opt(False, "no progress bar")
 
 
@@ -1675,40 +1677,66 @@ def train(cfg, given=frozenset()):
 
 
 def bench(cfg, given):
-    """GPU-only, ANE-only and hetero, one after another in this process, on the same
-    batches from the same initial weights: the paper's table."""
+    """GPU-only, ANE-only and hetero in this process, on the same batches from the same
+    initial weights: the paper's table. The modes take turns (gpu, ane, hetero, gpu, ...)
+    for bench_repeats rounds and each reports its median round, so a drift of the GPU's
+    clocks over the run touches every mode alike."""
     device, dtype = setup(cfg, given)
     data = load_data(cfg)
     torch.manual_seed(cfg.seed)
     init = GPT(model_config(cfg)).state_dict()
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    rows = {}
+    runs, rounds = {}, {}
     for mode in ('gpu', 'ane', 'hetero'):
         model, optimizer, engines, step, meter = build_run(cfg, device, dtype, mode)
         model.load_state_dict(init)
-        split = step.split
+        runs[mode] = (optimizer, engines, step, meter)
+        rounds[mode] = dict(tok_s=[], joules=[], engine_s={}, step_s=[])
 
-        def train_step(it):
-            step(step_batches(cfg, data['train'], it))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        # warm-up: at least 5 steps and 3 seconds (GPU clocks, allocator, the auto split)
+    def sync():  # every engine's work done, so that a round's time holds all of it
+        device_synchronize(device)
+        for _, engines, _, _ in runs.values():
+            for e in engines.values():
+                e.synchronize()
+
+    def train_step(mode, it):
+        optimizer, _, step, _ = runs[mode]
+        out = step(step_batches(cfg, data['train'], it))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out
+
+    for mode in runs:  # warm-up: at least 5 steps and 3 seconds (clocks, allocator, the auto split)
         w, start = 0, time.perf_counter()
         while w < 5 or time.perf_counter() - start < 3.0:
-            train_step(w)
+            train_step(mode, w)
             w += 1
-        device_synchronize(device)
-        t0, j0 = time.perf_counter(), meter.joules()
-        for i in range(cfg.bench_iters):
-            train_step(10**6 + i)  # the same timed batches in every mode
-        device_synchronize(device)
-        dt, j = time.perf_counter() - t0, meter.joules()
-        n_tok = tok_per_step * cfg.bench_iters
-        rows[mode] = dict(tok_s=n_tok / dt, j_tok=None if j is None else (j - j0) / n_tok,
-                          split=f"{split.current(step.alive)}/{split.n}" if mode == 'hetero' else '-',
-                          engines=' + '.join(e.label for e in engines.values()), meter=meter.name)
+    for r in range(cfg.bench_repeats):
+        for mode, (_, _, step, meter) in runs.items():
+            sync()
+            t0, j0 = time.perf_counter(), meter.joules()
+            for i in range(cfg.bench_iters):
+                t = time.perf_counter()
+                out = train_step(mode, 10**6 + r * cfg.bench_iters + i)  # the same batches in every mode
+                rounds[mode]['step_s'].append(time.perf_counter() - t)
+                for n, res in out['results'].items():
+                    rounds[mode]['engine_s'].setdefault(n, []).append(res['seconds'])
+            sync()
+            dt, j = time.perf_counter() - t0, meter.joules()
+            rounds[mode]['tok_s'].append(tok_per_step * cfg.bench_iters / dt)
+            rounds[mode]['joules'].append(None if j is None else j - j0)
+    rows = {}
+    n_tok = tok_per_step * cfg.bench_iters * cfg.bench_repeats
+    for mode, (_, engines, step, meter) in runs.items():
+        rd = rounds[mode]
+        rows[mode] = dict(tok_s=statistics.median(rd['tok_s']), rounds=[round(x) for x in rd['tok_s']],
+                          j_tok=None if None in rd['joules'] else sum(rd['joules']) / n_tok,
+                          split=f"{step.split.current(step.alive)}/{step.split.n}" if mode == 'hetero' else '-',
+                          engines=' + '.join(e.label for e in engines.values()), meter=meter.name,
+                          # where a step's time goes: each engine's share (in parallel), the whole step
+                          ms_step=1000 * statistics.median(rd['step_s']),
+                          ms_engines={n: round(1000 * statistics.median(v), 1) for n, v in rd['engine_s'].items()})
         print(f"{mode}: {rows[mode]}")
-        del model, optimizer, engines, step
     g = rows['gpu']
     print(f"\n{'mode':8} {'tokens/s':>10} {'x GPU-only':>10} {'J/token':>10} {'energy vs GPU':>14}  ANE share")
     for mode, r in rows.items():
@@ -1716,7 +1744,8 @@ def bench(cfg, given):
         dj = f"{100 * (r['j_tok'] / g['j_tok'] - 1):+.1f}%" if r['j_tok'] and g['j_tok'] else 'n/a'
         print(f"{mode:8} {r['tok_s']:10.0f} {r['tok_s'] / g['tok_s']:10.3f} {jt:>10} {dj:>14}  {r['split']}")
     s = rows['gpu']['tok_s'] + rows['ane']['tok_s']
-    print(f"hetero / (gpu + ane alone) = {rows['hetero']['tok_s'] / s:.3f}")
+    print(f"hetero / (gpu + ane alone) = {rows['hetero']['tok_s'] / s:.3f} "
+          f"(medians of {cfg.bench_repeats} rounds of {cfg.bench_iters} steps per mode)")
     return rows
 
 

@@ -3,7 +3,8 @@
 #  A: autograd on CUDA (bf16) + the eager derivation on the 16 CPU cores (fp32)
 #  B: autograd (bf16) + the eager derivation (fp16, the ANE's precision) on one GPU, two streams
 #  C (issue 7, needs 2 GPUs): the same as B with the eager engine on the second GPU
-# CASES="A B" (default) picks which to run; CASES=C on the 2 x H200 machine.
+# CASES="A B" (default) picks which to run; CASES=C on the 2 x H200 machine (SPLITS: the
+# microbatch shapes it benches; CURVE=0 skips its 50-step loss comparison).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -c "import tqdm" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -18,20 +19,24 @@ fi
 if [[ " ${CASES:-A B} " == *" B "* ]]; then
   echo "== B: one GPU, two streams, GPT-2 124M"
   timeout 150 python3 hetero_gpt.py $common --ane_device cuda --ane_dtype float16 --batch_size 4 --block_size 1024 \
-      --gradient_accumulation_steps 8 --bench_iters 10
+      --gradient_accumulation_steps 8
 fi
 if [[ " ${CASES:-A B} " == *" C "* ]]; then
   echo "== C: two GPUs, GPT-2 124M"
   nvidia-smi -L; nvidia-smi topo -m
-  timeout 150 python3 hetero_gpt.py $common --device cuda:0 --ane_device cuda:1 --ane_dtype float16 --batch_size 4 \
-      --block_size 1024 --gradient_accumulation_steps 8 --bench_iters 20
+  # the same 32768 tokens a step as 4 x 8 and as 2 x 16 microbatches: the split is a whole
+  # number of microbatches, so finer ones let it come closer to the engines' speed ratio
+  for bxa in ${SPLITS:-4x8 2x16}; do
+    timeout 200 python3 hetero_gpt.py $common --device cuda:0 --ane_device cuda:1 --ane_dtype float16 \
+        --batch_size ${bxa%x*} --block_size 1024 --gradient_accumulation_steps ${bxa#*x} --bench_iters 10
+  done
   # the split's convergence and the loss curve against GPU-only, step by step (same seed, same batches)
-  for mode in gpu hetero; do
+  [[ "${CURVE:-1}" == 1 ]] && for mode in gpu hetero; do
     timeout 200 python3 hetero_gpt.py --dataset shakespeare --device cuda:0 --ane_device cuda:1 --mode $mode \
         --batch_size 4 --block_size 1024 --gradient_accumulation_steps 8 --max_iters 50 --warmup_iters 10 \
         --log_interval 1 --eval_interval 50 --sample_tokens 0 --quiet --out_dir out/two_gpu_$mode > /dev/null
   done
-  python3 - <<'PY'
+  [[ "${CURVE:-1}" == 1 ]] && python3 - <<'PY'
 import json
 rows = {m: [json.loads(l) for l in open(f'out/two_gpu_{m}/metrics.jsonl')] for m in ('gpu', 'hetero')}
 print('step  gpu loss  hetero loss  (its gpu / ane engine)  ANE microbatches  dropped')

@@ -1,5 +1,6 @@
 """compare.py: its statistics against known values, and the whole comparison end to end on
 a tiny CPU configuration (a data set the test writes)."""
+import argparse
 import json
 import math
 import os
@@ -166,3 +167,13 @@ def test_bad_arguments(data_dir, tmp_path, capsys):
             compare.main(tiny(data_dir, tmp_path / 'x', *extra))
         assert e.value.code == 2 and message in capsys.readouterr().err, extra
     assert not (tmp_path / 'x').exists()
+
+
+def test_seed_lists():
+    # a count means 1..N; lists and ranges let two machines run disjoint seeds of one comparison
+    assert compare.seed_list('3') == [1, 2, 3]
+    assert compare.seed_list('1-4,9') == [1, 2, 3, 4, 9]
+    assert compare.seed_list('5,7') == [5, 7]
+    for bad in ('0-2', '1,1', 'a', '2-x', ''):
+        with pytest.raises(argparse.ArgumentTypeError):
+            compare.seed_list(bad)

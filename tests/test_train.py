@@ -56,7 +56,7 @@ def test_hetero_fp32_matches_gpu_only(data_dir, tmp_path):
     _, gpu = run(data_dir, tmp_path / 'g', '--max_iters', '10', '--eval_interval', '10', '--mode', 'gpu')
     _, het = run(data_dir, tmp_path / 'h', '--max_iters', '10', '--eval_interval', '10', '--mode', 'hetero',
                  '--ane_dtype', 'float32', '--ane_fraction', '0.5')
-    assert het[-1]['ane_microbatches'] == 1
+    assert het[-1]['ane_microbatches'] == 1 and het[-1]['ane_loss'] > 0 and het[-1]['gpu_loss'] > 0
     for g, h in zip(gpu, het):
         assert abs(g['loss'] - h['loss']) < 1e-4 * g['loss'], (g, h)
     assert abs(gpu[-1]['val_loss'] - het[-1]['val_loss']) < 1e-4 * gpu[-1]['val_loss']
@@ -255,3 +255,18 @@ def test_hetero_step_equals_single_engine_step_fp64():
         assert (grads['hetero'][k] - g).abs().max() <= 1e-10 * g.abs().max(), k
     for (k, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert (pa - pb).abs().max().item() < 1e-10, k
+
+
+def test_bench_times_every_mode_in_turns(data_dir, capsys):
+    # --bench on the tiny config: each mode gets bench_repeats timed rounds, the table names
+    # them all, and hetero's row says how its step split and where its time went
+    cfg, given = hg.parse_args(['--dataset', 'tiny', '--data_dir', data_dir, '--bench', '--bench_iters', '2',
+                                '--bench_repeats', '2'] + TINY)
+    rows = hg.bench(cfg, given)
+    assert set(rows) == {'gpu', 'ane', 'hetero'}
+    for mode, r in rows.items():
+        assert len(r['rounds']) == 2 and r['tok_s'] > 0 and r['ms_step'] > 0
+        assert set(r['ms_engines']) <= {'gpu', 'ane'} and r['ms_engines']
+    assert rows['hetero']['split'] in ('0/2', '1/2', '2/2') and rows['gpu']['ms_engines'].keys() == {'gpu'}
+    out = capsys.readouterr().out
+    assert 'hetero / (gpu + ane alone) = ' in out and 'x GPU-only' in out
