@@ -587,7 +587,8 @@ def host_batch(wte, wpe, cfg, idx, targets, loss_scale):
     T = idx.shape[1]
     return {'x0': (wte[idx] + wpe[:T]).reshape(-1, cfg.n_embd),
             'wte_tgt': wte[targets.reshape(-1)],
-            'loss_scale': torch.full((1, 1), float(loss_scale), dtype=wte.dtype, device=wte.device)}
+            'loss_scale': (loss_scale.reshape(1, 1).to(wte.dtype) if torch.is_tensor(loss_scale) else
+                           torch.full((1, 1), float(loss_scale), dtype=wte.dtype, device=wte.device))}
 
 
 def host_inputs(params, cfg, idx, targets, loss_scale):
@@ -615,7 +616,9 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
                 grads[full] = g[f'h{l}_{k}']
             elif third == 0:
                 grads[full] = torch.cat([g[f'h{l}_{k[0]}{c}'] for c in 'qkv'], 0)
-    if loss_scale != 1.0:
+    if torch.is_tensor(loss_scale):  # a CUDA graph's input: divide on the device by what it holds
+        torch._foreach_div_(list(grads.values()), loss_scale.reshape(()).to(out_dtype))
+    elif loss_scale != 1.0:
         grads = {k: v / loss_scale for k, v in grads.items()}
     return grads
 
@@ -1032,32 +1035,83 @@ class AutogradEngine:
 class EagerEngine:
     name, holds_gil = 'ane', False
 
-    def __init__(self, cfg, device, dtype, scaler, compile=False):
+    def __init__(self, cfg, device, dtype, scaler, compile=False, graph_shape=None):
         self.cfg, self.device, self.dtype, self.scaler, self.compile = cfg, device, dtype, scaler, compile
-        self.w, self.stream = None, engine_stream(device)
-        self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
+        self.w, self.staging, self.stream = None, None, engine_stream(device)
+        # On CUDA the whole step (B, T = graph_shape) is captured once as a CUDA graph and
+        # replayed for every microbatch: one launch where eager PyTorch makes ~100 per
+        # layer from Python. It is this stand-in's counterpart of the compiled Core ML
+        # program, and it leaves the Python thread (the GIL) to the GPU engine, whose
+        # kernel launches come from Python too: with both engines launching, each waits
+        # for the other's turn at the interpreter.
+        self.graph_shape = graph_shape if device.type == 'cuda' and not compile else None
+        self.graph = None
+        self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')}" + \
+                     (", CUDA graph)" if self.graph_shape else ")")
 
+    @torch.no_grad()
     def load_weights(self, params):
-        # once per step, into buffers reused across steps (no new allocation per step).
+        # once per step, into one flat buffer (and views of it) reused across steps.
         # The optimizer updated the weights on their GPU's default stream: this engine's stream
         # waits for that here, once, and not later, when the default stream is busy with
         # the GPU engine's work, which this engine must overlap, not wait for.
-        if self.w is None:
-            self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device) for k, p in params.items()}
         src = next(iter(params.values())).device  # the master weights' device (maybe another GPU)
+        if self.w is None:
+            self.flat, views = flat_buffer(params.values(), self.dtype, self.device)
+            self.w = dict(zip(params, views))
+            if src != self.device:
+                self.staging, self.staging_w = flat_buffer(params.values(), self.dtype, src)
         if self.stream is not None and src.type == 'cuda':
             self.stream.wait_stream(torch.cuda.current_stream(src))
         with on_stream(self.stream):
-            for k, p in params.items():
-                self.w[k].copy_(p.detach())
+            if self.staging is None:  # one fused copy (and cast) of every tensor
+                torch._foreach_copy_(list(self.w.values()), list(params.values()))
+            else:  # another device: cast where the weights are, then move half the bytes in one copy
+                torch._foreach_copy_(self.staging_w, list(params.values()))
+                self.flat.copy_(self.staging)
+        if self.graph_shape and self.graph is None:
+            self.capture()
+
+    def capture(self):
+        B, T = self.graph_shape
+        self.g_idx = torch.zeros((B, T), dtype=torch.long, device=self.device)
+        self.g_tgt = torch.zeros_like(self.g_idx)
+        self.g_scale = torch.ones((), dtype=torch.float32, device=self.device)
+        run = lambda: eager_loss_and_grads(self.cfg, self.w, self.g_idx, self.g_tgt, self.dtype, self.device,
+                                           self.g_scale)
+        with on_stream(self.stream):
+            run()  # once outside the capture: cuBLAS picks its kernels and workspaces
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode='thread_local'):
+            self.g_out = run()
 
     def loss_and_grads(self, idx, targets):
+        """(loss, grads). Under a CUDA graph they are the graph's output buffers, which the
+        next call overwrites: the caller keeps a copy (run_engine sums into its own)."""
         with on_stream(self.stream):
-            return eager_loss_and_grads(self.cfg, self.w, idx.to(self.device), targets.to(self.device),
-                                        self.dtype, self.device, self.scaler.scale, self.compile)
+            if self.graph is None or tuple(idx.shape) != self.graph_shape:
+                return eager_loss_and_grads(self.cfg, self.w, idx.to(self.device), targets.to(self.device),
+                                            self.dtype, self.device, self.scaler.scale, self.compile)
+            self.g_idx.copy_(idx)
+            self.g_tgt.copy_(targets)
+            self.g_scale.fill_(self.scaler.scale)
+            self.graph.replay()
+            return self.g_out
 
     def synchronize(self):
         device_synchronize(self.device, self.stream)
+
+
+def flat_buffer(like, dtype, device):
+    """One flat tensor and views of it shaped like the tensors in `like`."""
+    like = list(like)
+    flat = torch.empty(sum(t.numel() for t in like), dtype=dtype, device=device)
+    return flat, unflatten(flat, like)
+
+
+def unflatten(flat, like):
+    """Views of the 1-D `flat`, shaped like the tensors in `like`, one after another."""
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def device_synchronize(device, stream=None):
@@ -1149,13 +1203,10 @@ def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
         with on_stream(engine.stream):
             for i, (idx, targets) in enumerate(microbatches):
                 l, g = engine.loss_and_grads(idx, targets)
-                if acc is None:
-                    # sum in fp32 at least (fp16/bf16 gradients are widened; fp64 stays fp64).
-                    # No copy needed: every call returns freshly allocated gradient tensors.
-                    acc = {k: v if v.dtype in (torch.float32, torch.float64) else v.float() for k, v in g.items()}
+                if acc is None:  # sums in their own buffers: an engine may reuse its outputs
+                    acc = {k: v.clone() for k, v in g.items()}  # fp32 (fp64 in fp64 runs)
                 else:
-                    for k, v in g.items():
-                        acc[k] += v
+                    torch._foreach_add_(list(acc.values()), list(g.values()))  # one launch
                 loss = loss + l.float()  # a tensor: no wait for the device until the end
                 if enqueued is not None and i == 0:
                     enqueued.set()
@@ -1257,13 +1308,20 @@ class HeteroStep:
         if n == 0:
             self.skipped += 1
             return dict(loss=float('nan'), used=[], results=results)
-        for pn, p in self.params.items():
-            g = None
-            for r in used.values():
-                gi = r['grads'][pn].to(p.device)
-                g = gi if g is None else g + gi
-            p.grad = (g.div_(n) if n > 1 else g).to(p.dtype)
         master = next(iter(self.params.values())).device
+        total = None
+        for r in used.values():  # the engines' sums are their own buffers: added to in place
+            g = [r['grads'][pn] for pn in self.params]
+            if g[0].device != master:  # another device: one transfer of one flat buffer
+                g = unflatten(torch.cat([t.reshape(-1) for t in g]).to(master), g)
+            if total is None:
+                total = g
+            else:
+                torch._foreach_add_(total, g)
+        if n > 1:
+            torch._foreach_div_(total, float(n))
+        for p, g in zip(self.params.values(), total):
+            p.grad = g.to(p.dtype)
         if master.type == 'cuda' and any(self.engines[n].stream is not None for n in used):
             # an engine's gradient buffers were made on its own stream and are freed after
             # this step: let the default stream finish reading them before they are reused
@@ -1516,7 +1574,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         else:
             ane_dev = device if cfg.ane_device == 'auto' else resolve_device(cfg.ane_device)
             engines['ane'] = EagerEngine(model.config, ane_dev, resolve_dtype(cfg.ane_dtype, ane_dev), scaler,
-                                         cfg.compile)
+                                         cfg.compile, graph_shape=(cfg.batch_size, cfg.block_size))
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
                 # the CPU engine would take every core; leave one to the thread that feeds the
                 # GPU, whose kernel launches would otherwise wait behind the CPU's math

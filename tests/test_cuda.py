@@ -1,0 +1,90 @@
+"""The eager engine's device paths: its loss scale as a device tensor (runs everywhere), its
+step replayed as a CUDA graph, and the engine on a second GPU (skipped without CUDA, as in
+CI; on a GPU machine: python -m pytest -q tests/test_cuda.py)."""
+import pytest
+import torch
+
+import hetero_gpt as hg
+
+CFG = hg.GPTConfig(block_size=32, vocab_size=20000, n_layer=2, n_head=2, n_embd=32)  # 2 vocab chunks
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+def model_and_batches(device, n, B=2, seed=0):
+    torch.manual_seed(seed)
+    model = hg.GPT(CFG).to(device)
+    mbs = [(torch.randint(0, CFG.vocab_size, (B, CFG.block_size)),
+            torch.randint(0, CFG.vocab_size, (B, CFG.block_size))) for _ in range(n)]
+    return model, mbs
+
+
+def close(a, b, rel):
+    return (a - b).abs().max() <= rel * b.abs().max()
+
+
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=cuda)])
+def test_loss_scale_as_a_tensor_matches_the_number(device):
+    # a CUDA graph takes the loss scale as a device tensor, which the host can refill each
+    # step; the result must be the float path's. Scale 8 (a power of two): scaling and
+    # unscaling are exact, so the two agree to the last bit.
+    model, [(x, y)] = model_and_batches(device, 1)
+    w = {k: p.detach() for k, p in model.named_parameters()}
+    dev = torch.device(device)
+    l1, g1 = hg.eager_loss_and_grads(CFG, w, x.to(dev), y.to(dev), torch.float32, dev, 8.0)
+    l2, g2 = hg.eager_loss_and_grads(CFG, w, x.to(dev), y.to(dev), torch.float32, dev,
+                                     torch.tensor(8.0, device=dev))
+    assert torch.equal(l1, l2)
+    for k in g1:
+        assert torch.equal(g1[k], g2[k]), k
+
+
+@cuda
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+def test_cuda_graph_replays_the_eager_step(dtype):
+    # the engine's graph against the eager derivation on the same weights and batch, for
+    # two batches, two loss scales and weights changed between steps (the graph reads
+    # them from its buffers, so a new load_weights must show). Same kernels on the same
+    # data: fp32 to 1e-5 of the largest element (cuBLAS may pick another algorithm
+    # outside the capture), fp16 to 1e-2 (fp16 rounding, 1e-3, over a few sums).
+    dev = torch.device('cuda')
+    model, mbs = model_and_batches(dev, 2)
+    eng = hg.EagerEngine(CFG, dev, dtype, hg.LossScaler(8.0, 1000), graph_shape=(2, CFG.block_size))
+    params = dict(model.named_parameters())
+    rel = 1e-5 if dtype == torch.float32 else 1e-2
+    for step, scale in enumerate((8.0, 64.0)):
+        eng.scaler.scale = scale
+        eng.load_weights(params)
+        assert eng.graph is not None
+        for x, y in mbs:
+            l, g = eng.loss_and_grads(x, y)
+            l, g = l.clone(), {k: v.clone() for k, v in g.items()}
+            ref_l, ref_g = hg.manual_loss_and_grads(params, x, y, dtype=dtype, device=dev, loss_scale=scale)
+            assert close(l, ref_l, rel), (step, l, ref_l)
+            for k in ref_g:
+                assert close(g[k], ref_g[k], rel), (step, k)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)
+
+
+@two_gpus
+def test_engine_on_a_second_gpu_gives_the_one_gpu_step():
+    # autograd on cuda:0 and the eager derivation (fp32, CUDA graph) on cuda:1, half of the
+    # microbatches each, against autograd alone on cuda:0: the same averaged gradient, to
+    # fp32 rounding over the two paths' different sums (1e-4 of the largest element)
+    a, mbs = model_and_batches('cuda:0', 4)
+    b, _ = model_and_batches('cuda:0', 4)
+    d0, d1 = torch.device('cuda:0'), torch.device('cuda:1')
+    het = hg.HeteroStep(a, {'gpu': hg.AutogradEngine(a, d0, torch.float32),
+                            'ane': hg.EagerEngine(CFG, d1, torch.float32, hg.LossScaler(1.0, 0, enabled=False),
+                                                  graph_shape=(2, CFG.block_size))}, hg.Split(4, '0.5'))
+    one = hg.HeteroStep(b, {'gpu': hg.AutogradEngine(b, d0, torch.float32)}, hg.Split(4, '0'))
+    for step in range(2):  # the second step reuses the engine's buffers and graph
+        out_h, out_1 = het(mbs), one(mbs)
+        assert out_h['used'] == ['ane', 'gpu'] and abs(out_h['loss'] - out_1['loss']) < 1e-5 * out_1['loss']
+        for (k, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+            assert pa.grad.device == d0 and close(pa.grad, pb.grad, 1e-4), (step, k)
+        for m in (a, b):
+            torch.optim.SGD(m.parameters(), lr=0.1).step()
+            m.zero_grad(set_to_none=True)
