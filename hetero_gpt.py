@@ -1086,8 +1086,8 @@ class EagerEngine:
             self.g_out = run()
 
     def loss_and_grads(self, idx, targets):
-        """(loss, grads). Under a CUDA graph they are the graph's output buffers, which the
-        next call overwrites: the caller keeps a copy (run_engine sums into its own)."""
+        """(loss, grads), tensors of the caller's own: under a CUDA graph, copies of the
+        graph's output buffers, which the next replay overwrites."""
         with on_stream(self.stream):
             if self.graph is None or tuple(idx.shape) != self.graph_shape:
                 return eager_loss_and_grads(self.cfg, self.w, idx.to(self.device), targets.to(self.device),
@@ -1096,7 +1096,8 @@ class EagerEngine:
             self.g_tgt.copy_(targets)
             self.g_scale.fill_(self.scaler.scale)
             self.graph.replay()
-            return self.g_out
+            loss, grads = self.g_out
+            return loss.clone(), {k: v.clone() for k, v in grads.items()}
 
     def synchronize(self):
         device_synchronize(self.device, self.stream)
@@ -1203,8 +1204,10 @@ def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
         with on_stream(engine.stream):
             for i, (idx, targets) in enumerate(microbatches):
                 l, g = engine.loss_and_grads(idx, targets)
-                if acc is None:  # sums in their own buffers: an engine may reuse its outputs
-                    acc = {k: v.clone() for k, v in g.items()}  # fp32 (fp64 in fp64 runs)
+                if acc is None:
+                    # fp32 (fp64 in fp64 runs). No copy needed: every call returns gradient
+                    # tensors of its own, which the sums may then be added into.
+                    acc = g
                 else:
                     torch._foreach_add_(list(acc.values()), list(g.values()))  # one launch
                 loss = loss + l.float()  # a tensor: no wait for the device until the end
