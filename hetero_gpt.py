@@ -82,6 +82,8 @@ class Config:
     loss_scale: float = opt(1024.0, "initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
     scale_window: int = opt(200, "finite steps before the fp16 loss scale grows")
     compile: bool = opt(False, "torch.compile the GPU engine's model and the eager engine's derivation")
+    fused_attention: bool = opt(False, "off macOS, the eager engine's attention by fused kernels (faster; "
+                                       "fp32 softmax statistics, where the ANE's are fp16)")
     # evaluation, logging, checkpoints
     eval_interval: int = opt(100, "evaluate validation loss and save a checkpoint every this many steps")
     eval_iters: int = opt(20, "validation batches per evaluation (0: the full validation split)")
@@ -284,8 +286,10 @@ class TorchOps:
     # per context position in fp32), so this backend recomputes them in the backward.
     recompute_attention = True
 
-    def __init__(self, dtype, device, compile=False):
+    def __init__(self, dtype, device, compile=False, fused_attention=False):
         self.dtype, self.device, self.compile = dtype, torch.device(device), compile
+        # fp64 on CUDA has no fused attention kernel: the derivation's own ops run there
+        self.fused_attention = fused_attention and not (self.device.type == 'cuda' and dtype == torch.float64)
 
     def fused(self, fn):
         # Eager, every op above is one kernel that reads and writes memory: a layernorm is
@@ -326,6 +330,37 @@ class TorchOps:
 
     def transpose(self, x, perm):
         return x.permute(perm)
+
+    # Fused causal attention: y = softmax(q k^T / sqrt(D) + mask) v and its backward, the
+    # math of attention_forward/attention_backward below, by PyTorch's fused kernel pair
+    # (flash attention; on CUDA in fp32, the memory-efficient kernels). They never build
+    # the (B, H, T, T) matrix P: the forward keeps each row's log-sum-exp, the backward
+    # rebuilds P tile by tile from it. No autograd: both kernels are called by hand, as
+    # every piece of the derivation is. Off by default: the fp16 stand-in for the ANE
+    # should do attention in fp16 as the Core ML program does, and these kernels keep
+    # fp32 softmax statistics inside.
+    def attention(self, q, k, v):
+        """(y, saved): y (B, H, T, D), and what attention_grad needs besides q, k, v, y."""
+        if self.device.type == 'cpu':
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        if self.dtype in (torch.float16, torch.bfloat16):
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
+            return out[0], out[1:8]  # log-sum-exp, sequence bookkeeping, RNG state (unused: no dropout)
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
+        return out[0], out[1:4]
+
+    def attention_grad(self, dy, q, k, v, y, saved):
+        """(dq, dk, dv) for upstream dy, from the forward's q, k, v, y and saved."""
+        if self.device.type == 'cpu':
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dy, q, k, v, y, saved, 0.0, True)
+        if self.dtype in (torch.float16, torch.bfloat16):
+            lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
+            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dy, q, k, v, y, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset)
+        lse, seed, offset = saved
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dy, q, k, v, None, y, lse, seed, offset, 0.0, [True, True, True, False], True)[:3]
 
     def causal_mask(self, T):
         # additive mask: 0 on and below the diagonal, -1e4 above. -1e4 (not -inf) because
@@ -404,6 +439,9 @@ def attention_probs(o, q, k, T):
 def attention_forward(o, q, k, v, B, T, H):
     # y = P v
     q, k, v = heads(o, q, B, T, H), heads(o, k, B, T, H), heads(o, v, B, T, H)
+    if o.fused_attention:  # the same y by a fused kernel, P never stored (TorchOps.attention)
+        y, saved = o.attention(q, k, v)
+        return merge_heads(o, y, B, T), (q, k, v, y, saved)
     p = attention_probs(o, q, k, T)
     y = merge_heads(o, o.matmul(p, v), B, T)
     return y, (q, k, v, None if o.recompute_attention else p)
@@ -412,11 +450,14 @@ def attention_forward(o, q, k, v, B, T, H):
 def attention_backward(o, dy, cache, B, T, H):
     # dv = P^T dy, dP = dy v^T, dS = P * (dP - rowsum(dP * P)) (softmax backward),
     # dq = dS k * scale, dk = dS^T q * scale. The mask is a constant: no gradient.
+    dy = heads(o, dy, B, T, H)
+    if o.fused_attention:
+        dq, dk, dv = o.attention_grad(dy, *cache)
+        return merge_heads(o, dq, B, T), merge_heads(o, dk, B, T), merge_heads(o, dv, B, T)
     q, k, v, p = cache
     T, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
     if p is None:
         p = attention_probs(o, q, k, T)
-    dy = heads(o, dy, B, T, H)
     dv = o.matmul(p, dy, ta=True)
     dp = o.matmul(dy, v, tb=True)
     ds = p * (dp - o.sum(dp * p, -1)) * scale
@@ -662,7 +703,7 @@ def check_batch(cfg, idx, targets):
 
 
 def manual_loss_and_grads(params, idx, targets, *, dtype=torch.float32, device=None,
-                          loss_scale=1.0, n_head=None):
+                          loss_scale=1.0, n_head=None, fused_attention=False):
     """Loss and gradients of GPT-2 by the hand derivation, run eagerly by PyTorch.
     params: {name: tensor} as GPT.named_parameters(). Returns (loss, grads): the mean
     cross-entropy (0-dim tensor) and {name: gradient}, unscaled, in `dtype` (fp16 runs
@@ -672,7 +713,8 @@ def manual_loss_and_grads(params, idx, targets, *, dtype=torch.float32, device=N
     check_batch(cfg, idx, targets)
     device = torch.device(device) if device is not None else params['transformer.wte.weight'].device
     w = {k: v.detach().to(device=device, dtype=dtype) for k, v in params.items()}
-    return eager_loss_and_grads(cfg, w, idx.to(device), targets.to(device), dtype, device, loss_scale)
+    return eager_loss_and_grads(cfg, w, idx.to(device), targets.to(device), dtype, device, loss_scale,
+                                fused_attention=fused_attention)
 
 
 def grads_finite(grads):
@@ -680,9 +722,9 @@ def grads_finite(grads):
     return bool(torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all())
 
 
-def eager_loss_and_grads(cfg, w, idx, targets, dtype, device, loss_scale, compile=False):
+def eager_loss_and_grads(cfg, w, idx, targets, dtype, device, loss_scale, compile=False, fused_attention=False):
     """manual_loss_and_grads without the checks: weights `w` already in `dtype` on `device`."""
-    o = TorchOps(dtype, device, compile)
+    o = TorchOps(dtype, device, compile, fused_attention)
     with torch.no_grad():
         loss, g = dense_step(o, cfg, idx.shape[0], idx.shape[1], host_inputs(w, cfg, idx, targets, loss_scale))
         out_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -727,6 +769,7 @@ class MILTensor:
 class MILOps:
     """MIL backend of the derivation: every op is one the ANE runs (ANE_NOTES)."""
     recompute_attention = False  # a graph compiler plans its own memory: keep P, skip the recompute
+    fused_attention = False      # the program spells attention out in the derivation's ops
 
     def __init__(self):
         from coremltools.converters.mil import Builder as mb
@@ -1035,8 +1078,9 @@ class AutogradEngine:
 class EagerEngine:
     name, holds_gil = 'ane', False
 
-    def __init__(self, cfg, device, dtype, scaler, compile=False, graph_shape=None):
+    def __init__(self, cfg, device, dtype, scaler, compile=False, graph_shape=None, fused_attention=False):
         self.cfg, self.device, self.dtype, self.scaler, self.compile = cfg, device, dtype, scaler, compile
+        self.fused_attention = fused_attention
         self.w, self.staging, self.stream = None, None, engine_stream(device)
         # On CUDA the whole step (B, T = graph_shape) is captured once as a CUDA graph and
         # replayed for every microbatch: one launch where eager PyTorch makes ~100 per
@@ -1047,7 +1091,7 @@ class EagerEngine:
         self.graph_shape = graph_shape if device.type == 'cuda' and not compile else None
         self.graph = None
         self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')}" + \
-                     (", CUDA graph)" if self.graph_shape else ")")
+                     (", CUDA graph" if self.graph_shape else "") + (", fused attention)" if fused_attention else ")")
 
     @torch.no_grad()
     def load_weights(self, params):
@@ -1078,7 +1122,7 @@ class EagerEngine:
         self.g_tgt = torch.zeros_like(self.g_idx)
         self.g_scale = torch.ones((), dtype=torch.float32, device=self.device)
         run = lambda: eager_loss_and_grads(self.cfg, self.w, self.g_idx, self.g_tgt, self.dtype, self.device,
-                                           self.g_scale)
+                                           self.g_scale, fused_attention=self.fused_attention)
         with on_stream(self.stream):
             run()  # once outside the capture: cuBLAS picks its kernels and workspaces
         self.graph = torch.cuda.CUDAGraph()
@@ -1091,7 +1135,8 @@ class EagerEngine:
         with on_stream(self.stream):
             if self.graph is None or tuple(idx.shape) != self.graph_shape:
                 return eager_loss_and_grads(self.cfg, self.w, idx.to(self.device), targets.to(self.device),
-                                            self.dtype, self.device, self.scaler.scale, self.compile)
+                                            self.dtype, self.device, self.scaler.scale, self.compile,
+                                            self.fused_attention)
             self.g_idx.copy_(idx)
             self.g_tgt.copy_(targets)
             self.g_scale.fill_(self.scaler.scale)
@@ -1577,7 +1622,8 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         else:
             ane_dev = device if cfg.ane_device == 'auto' else resolve_device(cfg.ane_device)
             engines['ane'] = EagerEngine(model.config, ane_dev, resolve_dtype(cfg.ane_dtype, ane_dev), scaler,
-                                         cfg.compile, graph_shape=(cfg.batch_size, cfg.block_size))
+                                         cfg.compile, graph_shape=(cfg.batch_size, cfg.block_size),
+                                         fused_attention=cfg.fused_attention)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
                 # the CPU engine would take every core; leave one to the thread that feeds the
                 # GPU, whose kernel launches would otherwise wait behind the CPU's math

@@ -78,10 +78,10 @@ def rows_pass(rows, dtype):
 
 # ---- each piece against autograd (fp64, random inputs, a random upstream gradient)
 
-def check_piece(forward, backward, reference, inputs):
+def check_piece(forward, backward, reference, inputs, fused_attention=False):
     """forward(o, *inputs) -> (y, cache); backward(o, dy, cache, *inputs) -> grads of
     inputs; reference(*inputs) -> y computed by PyTorch's own ops, differentiated by autograd."""
-    o = TorchOps(torch.float64, 'cpu')
+    o = TorchOps(torch.float64, 'cpu', fused_attention=fused_attention)
     xs = [t.clone().requires_grad_(True) for t in inputs]
     y_ref = reference(*xs)
     dy = torch.randn_like(y_ref)
@@ -113,8 +113,9 @@ def test_gelu():
                 lambda x: F.gelu(x, approximate='tanh'), [x])
 
 
+@pytest.mark.parametrize('fused', [False, True], ids=['derivation', 'fused kernels'])
 @pytest.mark.parametrize('B,T,H', [(2, 5, 3), (1, 8, 1)])
-def test_attention(B, T, H):
+def test_attention(B, T, H, fused):
     q, k, v = (torch.randn(B * T, H * 4, dtype=torch.float64) for _ in range(3))
 
     def reference(q, k, v):
@@ -122,7 +123,7 @@ def test_attention(B, T, H):
         y = F.scaled_dot_product_attention(sh(q), sh(k), sh(v), is_causal=True)
         return y.transpose(1, 2).reshape(B * T, -1)
     check_piece(lambda o, q, k, v: attention_forward(o, q, k, v, B, T, H),
-                lambda o, dy, cache, *_: attention_backward(o, dy, cache, B, T, H), reference, [q, k, v])
+                lambda o, dy, cache, *_: attention_backward(o, dy, cache, B, T, H), reference, [q, k, v], fused)
 
 
 @pytest.mark.parametrize('pad', [0, 5])
@@ -182,6 +183,24 @@ def test_compiled_derivation_matches_autograd():
     assert abs(loss.item() - ref_loss) / ref_loss < TOL[torch.float32]
     worst = max((rel_err(grads[k], ref[k]), k) for k in ref)
     assert worst[0] <= TOL[torch.float32], worst
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32, torch.float16])
+def test_fused_attention_model_grads(dtype):
+    # --fused_attention: the same step with attention by PyTorch's fused kernel pair, every
+    # gradient against fp64 autograd at the same bounds as the derivation's own ops
+    case = CONFIGS[0]
+    params, idx, targets, ref_loss, ref = autograd_reference(case['cfg'], case['B'], case['T'])
+    scale = 1024.0 if dtype == torch.float16 else 1.0
+    loss, grads = manual_loss_and_grads(params, idx, targets, dtype=dtype, device='cpu', loss_scale=scale,
+                                        fused_attention=True)
+    assert abs(loss.item() - ref_loss) / ref_loss < (1e-2 if dtype == torch.float16 else TOL[dtype])
+    for k in ref:
+        assert torch.isfinite(grads[k]).all(), k
+        if dtype == torch.float16:
+            assert cosine(grads[k], ref[k]) >= FP16_MIN_COSINE, k
+        else:
+            assert rel_err(grads[k], ref[k]) <= TOL[dtype], k
 
 
 @pytest.mark.parametrize('case', CONFIGS, ids=['2L4H-V20000-T7', '1L1H-V50-T8'])
@@ -261,7 +280,11 @@ def main():
             for name, d, rel, cos, fin in rows:
                 print(f"{name:40} {d:13.3e} {rel:10.2e} {cos:12.9f}" + ('' if fin else '  NON-FINITE'))
     pieces = {'linear': test_linear, 'layernorm': test_layernorm, 'gelu': test_gelu,
-              'attention': lambda: test_attention(2, 5, 3), 'lm_head': lambda: test_lm_head_loss(0),
+              'attention': lambda: test_attention(2, 5, 3, False),
+              'attention, fused kernels': lambda: test_attention(2, 5, 3, fused=True),
+              'whole model, fused attention': lambda: [test_fused_attention_model_grads(d) for d in
+                                                       (torch.float64, torch.float32, torch.float16)],
+              'lm_head': lambda: test_lm_head_loss(0),
               'lm_head, padded chunk': lambda: test_lm_head_loss(5), 'vocab_chunks': test_vocab_chunks,
               'compiled derivation': test_compiled_derivation_matches_autograd,
               'training steps': test_training_steps_match_autograd, 'bad input': test_bad_input}

@@ -8,7 +8,8 @@ GPT-2 124M, batch 12 x 1024 by default; 3 warm-up and 10 timed steps each, media
 Eager rows for fp32, bf16 and fp16; then, for --compiled dtypes, both sides under
 torch.compile (autograd: the compiled model; manual: the derivation's pieces compiled by
 TorchOps.fused, as `--compile` does for the eager engine).
-Peak memory is what one step allocates above the weights (torch.cuda.max_memory_allocated
+Then rows with --fused_attention and with the step replayed as a CUDA graph (as the hetero
+engine runs it). Peak memory is what one step allocates above the weights (torch.cuda.max_memory_allocated
 after reset, minus what was allocated before the step).
 """
 import argparse
@@ -71,9 +72,24 @@ def autograd(dtype, compile=False):
     return fn
 
 
-def manual(dtype, scale, compile=False):
+def manual(dtype, scale, compile=False, fused=False):
     w = {k: v.detach().to(dtype) for k, v in params.items()}  # the engine's weight buffers
-    return lambda: hg.eager_loss_and_grads(cfg, w, x, y, dtype, device, scale, compile)[1]
+    return lambda: hg.eager_loss_and_grads(cfg, w, x, y, dtype, device, scale, compile, fused)[1]
+
+
+def graphed(dtype, scale, fused):
+    """The eager engine as hetero mode runs it on CUDA: its step captured once as a CUDA
+    graph and replayed. The graph's memory pool is allocated at capture, before measure()
+    takes its baseline, so it is added to the row's peak (fn.held)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    eng = hg.EagerEngine(cfg, device, dtype, hg.LossScaler(scale, 10**9), graph_shape=(a.batch_size, a.block_size),
+                         fused_attention=fused)
+    eng.load_weights(params)
+    torch.cuda.synchronize()
+    fn = lambda: eng.loss_and_grads(x, y)[1]
+    fn.held = torch.cuda.memory_allocated() - before - eng.flat.numel() * eng.flat.element_size()
+    return fn
 
 
 names = {torch.float32: 'fp32 (TF32 matmuls)', torch.bfloat16: 'bf16 (autograd: autocast; manual: bf16 weights)',
@@ -82,10 +98,17 @@ scales = {torch.float32: 1.0, torch.bfloat16: 1.0, torch.float16: 1024.0}
 rows = [(name, autograd(d), manual(d, scales[d])) for d, name in names.items()]
 rows += [(names[d] + ', both compiled', autograd(d, True), manual(d, scales[d], True))
          for d in (getattr(torch, n) for n in a.compiled.split(',') if n)]
+# --fused_attention (the attention piece by PyTorch's fused kernel pair), eager and as the
+# CUDA graph the hetero engine replays; autograd eager beside each
+for tag, make in ((', manual: fused attention', lambda d: manual(d, scales[d], fused=True)),
+                  (', manual: fused attention + CUDA graph', lambda d: graphed(d, scales[d], True)),
+                  (', manual: CUDA graph', lambda d: graphed(d, scales[d], False))):
+    rows += [(names[d] + tag, autograd(d), make(d)) for d in names]
 print(f"GPT-2 {sum(q.numel() for q in params.values()) / 1e6:.1f}M, batch {a.batch_size} x {a.block_size}, "
       f"{torch.cuda.get_device_name()}")
 print("| precision | autograd tok/s | manual tok/s | manual/autograd | autograd peak GiB | manual peak GiB |")
 print("|---|---|---|---|---|---|")
 for name, ag, mn in rows:
     (ta, ma), (tm, mm) = measure(ag), measure(mn)
+    mm += getattr(mn, 'held', 0) / 2**30
     print(f"| {name} | {ta:,.0f} | {tm:,.0f} | {tm / ta:.2f}x | {ma:.2f} | {mm:.2f} |", flush=True)
