@@ -60,6 +60,7 @@ class Config:
     n_embd: int = opt(768, "embedding width")
     block_size: int = opt(1024, "context length in tokens")
     vocab_size: int = opt(50257, "GPT-2 BPE vocabulary")
+    bias: bool = opt(True, "biases in linear layers and LayerNorms, as GPT-2 (False: nanoGPT's bias=False)")
     # optimisation
     batch_size: int = opt(8, "sequences per microbatch")
     gradient_accumulation_steps: int = opt(4, "microbatches per optimizer step (hetero splits these)")
@@ -136,6 +137,7 @@ class UserError(Exception):
 # -----------------------------------------------------------------------------
 # 2. The model: GPT-2 as published, in nanoGPT's layout (same state-dict keys).
 # Learned positions, pre-LayerNorm with bias, tanh-GELU MLP, tied embedding/LM head.
+# bias=False drops every bias (linear layers and LayerNorms), as nanoGPT's option does.
 # No dropout: the hand-derived backward below does not model it.
 
 @dataclass
@@ -145,6 +147,7 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
+    bias: bool = True  # biases in linear layers and LayerNorms (GPT-2); False: nanoGPT's option
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -155,8 +158,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -169,8 +172,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x):
         return self.c_proj(F.gelu(self.c_fc(x), approximate='tanh'))
@@ -179,9 +182,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x):
@@ -197,7 +200,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
@@ -375,8 +378,9 @@ class TorchOps:
 
 
 # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin) as in nn.Linear
-def linear_forward(o, x, w, b):
-    return o.matmul(x, w, tb=True) + b
+def linear_forward(o, x, w, b):  # b None: no bias (bias=False)
+    y = o.matmul(x, w, tb=True)
+    return y if b is None else y + b
 
 
 def linear_backward(o, dy, x, w):
@@ -389,7 +393,7 @@ def layernorm_forward(o, x, w, b, eps=1e-5):
     xc = x - o.mean(x, -1)
     rstd = o.rsqrt(o.mean(xc * xc, -1) + eps)  # 1/sqrt(var + eps)
     xhat = xc * rstd
-    return xhat * w + b, (xhat, rstd)
+    return (xhat * w if b is None else xhat * w + b), (xhat, rstd)
 
 
 def layernorm_backward(o, dy, w, cache):
@@ -481,14 +485,15 @@ BLOCK_PARAMS = {  # dense name: (nanoGPT name under transformer.h.{l}., which th
 
 def block_forward(o, x, p, B, T, H):
     # x + attn(ln_1(x)), then + mlp(ln_2(.))
-    a, ln1 = layernorm_forward(o, x, p['ln1_w'], p['ln1_b'])
-    q, k, v = (linear_forward(o, a, p['w' + c], p['b' + c]) for c in 'qkv')
+    # (a bias missing from p, under bias=False, is None: no bias)
+    a, ln1 = layernorm_forward(o, x, p['ln1_w'], p.get('ln1_b'))
+    q, k, v = (linear_forward(o, a, p['w' + c], p.get('b' + c)) for c in 'qkv')
     y, att = attention_forward(o, q, k, v, B, T, H)
-    x = x + linear_forward(o, y, p['wo'], p['bo'])
-    m, ln2 = layernorm_forward(o, x, p['ln2_w'], p['ln2_b'])
-    h = linear_forward(o, m, p['wfc'], p['bfc'])
+    x = x + linear_forward(o, y, p['wo'], p.get('bo'))
+    m, ln2 = layernorm_forward(o, x, p['ln2_w'], p.get('ln2_b'))
+    h = linear_forward(o, m, p['wfc'], p.get('bfc'))
     g, gelu = gelu_forward(o, h)
-    x = x + linear_forward(o, g, p['wpr'], p['bpr'])
+    x = x + linear_forward(o, g, p['wpr'], p.get('bpr'))
     return x, (a, ln1, y, att, m, ln2, gelu)  # not g: gelu_output(gelu) remakes it
 
 
@@ -508,7 +513,7 @@ def block_backward(o, dx, p, cache, B, T, H):
         dac, d['w' + c], d['b' + c] = linear_backward(o, dc, a, p['w' + c])
         da = dac if da is None else da + dac
     dax, d['ln1_w'], d['ln1_b'] = layernorm_backward(o, da, p['ln1_w'], ln1)
-    return dx + dax, d
+    return dx + dax, {k: v for k, v in d.items() if k in p}  # no gradient for a bias that is not there
 
 
 # ---- tied LM head + mean cross-entropy, over vocabulary chunks of at most 16384 rows.
@@ -556,7 +561,7 @@ def dense_step(o, cfg, B, T, inp):
     grads by the same names; loss is the true mean loss, grads are multiplied by
     inp['loss_scale'] (so fp16 weight gradients do not flush to zero)."""
     N, H, L = B * T, cfg.n_head, cfg.n_layer
-    blocks = [{k: inp[f'h{l}_{k}'] for k in BLOCK_PARAMS} for l in range(L)]
+    blocks = [{k: inp[f'h{l}_{k}'] for k in BLOCK_PARAMS if f'h{l}_{k}' in inp} for l in range(L)]
     rows, spans = vocab_chunks(cfg.vocab_size)
     chunks = [inp[f'wte_{j}'] for j in range(len(spans))]
     block_fwd, block_bwd, head_fwd, head_bwd = map(o.fused, (block_forward, block_backward,
@@ -565,13 +570,15 @@ def dense_step(o, cfg, B, T, inp):
     for l in range(L):
         x, c = block_fwd(o, x, blocks[l], B, T, H)
         caches.append(c)
-    xf, lnf = layernorm_forward(o, x, inp['lnf_w'], inp['lnf_b'])
+    xf, lnf = layernorm_forward(o, x, inp['lnf_w'], inp.get('lnf_b'))
     loss, head = head_fwd(o, xf, chunks, inp['wte_tgt'], N, pad=len(spans) * rows - cfg.vocab_size)
     # ---- backward: the same calls in reverse
     grads = {}
     dxf, dws, grads['wte_tgt'] = head_bwd(o, chunks, inp['wte_tgt'], head, inp['loss_scale'] * (1.0 / N))
     grads.update({f'wte_{j}': dw for j, dw in enumerate(dws)})
-    dx, grads['lnf_w'], grads['lnf_b'] = layernorm_backward(o, dxf, inp['lnf_w'], lnf)
+    dx, grads['lnf_w'], dlnf_b = layernorm_backward(o, dxf, inp['lnf_w'], lnf)
+    if 'lnf_b' in inp:
+        grads['lnf_b'] = dlnf_b
     for l in reversed(range(L)):
         dx, d = block_bwd(o, dx, blocks[l], caches[l], B, T, H)
         grads.update({f'h{l}_{k}': v for k, v in d.items()})
@@ -601,21 +608,32 @@ def dense_input_shapes(cfg, B, T):
     shapes = {'x0': (N, C), 'wte_tgt': (N, C), 'loss_scale': (1, 1), 'lnf_w': (C,), 'lnf_b': (C,)}
     for l in range(cfg.n_layer):
         shapes.update({f'h{l}_{k}': s for k, s in per_block.items()})
+    if not cfg.bias:
+        shapes = {k: s for k, s in shapes.items() if not is_bias(k)}
     rows, spans = vocab_chunks(cfg.vocab_size)
     for j in range(len(spans)):
         shapes[f'wte_{j}'] = (rows, C)
     return shapes
 
 
+def is_bias(name):
+    """A dense input that bias=False leaves out: 'lnf_b', or a block's ('bq', 'h0_ln1_b', ...)."""
+    k = name.split('_', 1)[1] if name[0] == 'h' and name[1:2].isdigit() else name  # h0_ln1_b -> ln1_b
+    return k == 'lnf_b' or BLOCK_PARAMS.get(k, ('',))[0].endswith('.bias')
+
+
 # ---- the host side: the sparse work the dense program leaves out
 def host_weights(params, cfg):
     """The dense program's weight inputs from nanoGPT's names: the same tensors, with
     c_attn sliced into q/k/v rows and the (tied) embedding into vocabulary chunks."""
-    inp = {'lnf_w': params['transformer.ln_f.weight'], 'lnf_b': params['transformer.ln_f.bias']}
+    inp = {'lnf_w': params['transformer.ln_f.weight']}
+    if cfg.bias:
+        inp['lnf_b'] = params['transformer.ln_f.bias']
     for l in range(cfg.n_layer):
         for k, (name, third) in BLOCK_PARAMS.items():
-            w = params[f'transformer.h.{l}.{name}']
-            inp[f'h{l}_{k}'] = w if third is None else w.chunk(3, 0)[third]
+            if cfg.bias or not is_bias(k):
+                w = params[f'transformer.h.{l}.{name}']
+                inp[f'h{l}_{k}'] = w if third is None else w.chunk(3, 0)[third]
     rows, spans = vocab_chunks(cfg.vocab_size)
     for j, (a, b) in enumerate(spans):  # the last chunk padded with zero rows to `rows`
         inp[f'wte_{j}'] = F.pad(params['transformer.wte.weight'][a:b], (0, 0, 0, rows - (b - a)))
@@ -648,11 +666,14 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
     dwte.index_add_(0, targets.reshape(-1), g['wte_tgt'])  # d wte[target[n]] += dwte_tgt[n]
     dwpe = torch.zeros(cfg.block_size, C, dtype=out_dtype, device=dwte.device)
     dwpe[:T] = g['x0'].reshape(B, T, C).sum(0)           # every sequence uses wpe[:T]
-    grads = {'transformer.wte.weight': dwte, 'transformer.wpe.weight': dwpe,
-             'transformer.ln_f.weight': g['lnf_w'], 'transformer.ln_f.bias': g['lnf_b']}
+    grads = {'transformer.wte.weight': dwte, 'transformer.wpe.weight': dwpe, 'transformer.ln_f.weight': g['lnf_w']}
+    if cfg.bias:
+        grads['transformer.ln_f.bias'] = g['lnf_b']
     for l in range(cfg.n_layer):
         for k, (name, third) in BLOCK_PARAMS.items():
             full = f'transformer.h.{l}.{name}'
+            if is_bias(k) and not cfg.bias:
+                continue
             if third is None:
                 grads[full] = g[f'h{l}_{k}']
             elif third == 0:
@@ -678,7 +699,8 @@ def config_from_params(params, n_head=None):
         if len(known) != 1:
             raise ValueError("cannot tell n_head from the weights' shapes: pass n_head=")
         n_head = known.pop()
-    cfg = GPTConfig(block_size=block_size, vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=C)
+    cfg = GPTConfig(block_size=block_size, vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=C,
+                    bias='transformer.ln_f.bias' in params)
     expected = {k: tuple(v.shape) for k, v in GPT_param_shapes(cfg).items()}
     got = {k: tuple(v.shape) for k, v in params.items()}
     if expected != got:
@@ -1606,7 +1628,7 @@ def save_checkpoint(path, obj):
 
 def model_config(cfg):
     return GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
-                     n_head=cfg.n_head, n_embd=cfg.n_embd)
+                     n_head=cfg.n_head, n_embd=cfg.n_embd, bias=cfg.bias)
 
 
 def build_engines(cfg, model, device, dtype, mode, log=print):

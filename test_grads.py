@@ -33,7 +33,10 @@ FP16_MIN_COSINE = 0.999
 CONFIGS = [
     dict(cfg=GPTConfig(block_size=16, vocab_size=20000, n_layer=2, n_head=4, n_embd=32), B=3, T=7),
     dict(cfg=GPTConfig(block_size=8, vocab_size=50, n_layer=1, n_head=1, n_embd=16), B=2, T=8),
+    # nanoGPT's bias=False: no bias in any linear layer or LayerNorm
+    dict(cfg=GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16, bias=False), B=2, T=5),
 ]
+IDS = ['2L4H-V20000-T7', '1L1H-V50-T8', '2L2H-nobias-T5']
 
 
 def rel_err(a, ref):
@@ -164,7 +167,7 @@ def test_vocab_chunks():
 
 # ---- the whole model, every gradient tensor
 
-@pytest.mark.parametrize('case', CONFIGS, ids=['2L4H-V20000-T7', '1L1H-V50-T8'])
+@pytest.mark.parametrize('case', CONFIGS, ids=IDS)
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 def test_model_grads(case, dtype):
     rows = compare_model(case, dtype)
@@ -203,7 +206,7 @@ def test_fused_attention_model_grads(dtype):
             assert rel_err(grads[k], ref[k]) <= TOL[dtype], k
 
 
-@pytest.mark.parametrize('case', CONFIGS, ids=['2L4H-V20000-T7', '1L1H-V50-T8'])
+@pytest.mark.parametrize('case', CONFIGS, ids=IDS)
 def test_model_grads_fp16(case):
     rows = compare_model(case, torch.float16, loss_scale=1024.0)
     assert all(r[4] for r in rows), "non-finite value in fp16 gradients"

@@ -23,11 +23,12 @@ p.add_argument('--compile', action='store_true')
 p.add_argument('--vocab_size', type=int, default=50257)
 p.add_argument('--batch_size', type=int, default=12)
 p.add_argument('--block_size', type=int, default=1024)
+p.add_argument('--bias', default='True', help="False: nanoGPT's bias=False (its bench.py default)")
 a = p.parse_args()
 
 cfg, _ = hg.parse_args(['--device', 'cuda', '--dtype', a.dtype, '--vocab_size', str(a.vocab_size),
                         '--batch_size', str(a.batch_size), '--block_size', str(a.block_size),
-                        '--gradient_accumulation_steps', '1'] + (['--compile'] if a.compile else []))
+                        '--gradient_accumulation_steps', '1', '--bias', a.bias] + (['--compile'] if a.compile else []))
 device, dtype = hg.setup(cfg, set())
 torch.manual_seed(1337)
 model = hg.GPT(hg.model_config(cfg)).to(device)
@@ -46,6 +47,6 @@ for k in range(30):
     times.append(time.perf_counter() - t0)
 timed = times[10:]
 ms = 1000 * sum(timed) / len(timed)
-print(f"heterogpt dtype={a.dtype} compile={a.compile} vocab={a.vocab_size}: time per iteration: {ms:.4f}ms "
+print(f"heterogpt dtype={a.dtype} compile={a.compile} vocab={a.vocab_size} bias={a.bias}: time per iteration: {ms:.4f}ms "
       f"(median {1000 * statistics.median(timed):.4f}ms), {a.batch_size * a.block_size / (ms / 1000):.0f} tokens/s, "
       f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")

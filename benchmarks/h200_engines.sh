@@ -6,5 +6,5 @@ export PYTHONUNBUFFERED=1
 python3 -c "import tqdm" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__)"
-timeout ${LIMIT_NANO:-330} python3 benchmarks/compare_nanogpt.py --nanogpt "${NANOGPT:-.bench/nanoGPT}"
+timeout ${LIMIT_NANO:-450} python3 benchmarks/compare_nanogpt.py --nanogpt "${NANOGPT:-.bench/nanoGPT}"
 timeout ${LIMIT_MANUAL:-330} python3 benchmarks/bench_manual.py --compiled "${COMPILED:-}"

@@ -129,3 +129,31 @@ def test_trainer_exports_once_and_reuses(tmp_path):
     cfg.n_layer = 2  # same file name, other model: exported again
     hg.ensure_coreml_package(cfg, log=said.append)
     assert 'other shapes' in said[1] and hg.CoreMLEngine(path).cfg.n_layer == 2
+
+
+def test_program_without_biases(tmp_path):
+    # nanoGPT's bias=False: the program has no bias inputs or outputs, and its fp16
+    # gradients point where fp64 autograd's do (cosine >= 0.999, as above); a package
+    # exported with biases is refused for these weights
+    cfg = hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16, bias=False)
+    path = str(tmp_path / 'nobias.mlpackage')
+    hg.export_coreml(cfg, 2, 5, path)
+    names = set(hg.dense_input_shapes(cfg, 2, 5))
+    assert not any(hg.is_bias(n) for n in names) and 'h0_wq' in names and 'lnf_w' in names
+    torch.manual_seed(0)
+    model = hg.GPT(cfg).double()
+    idx, targets = (torch.randint(0, cfg.vocab_size, (2, 5)) for _ in range(2))
+    _, loss = model(idx, targets)
+    loss.backward()
+    engine = hg.CoreMLEngine(path, config=cfg, microbatch=(2, 5), scaler=hg.LossScaler(1024.0, 0))
+    engine.load_weights(dict(model.named_parameters()))
+    l, grads = engine.loss_and_grads(idx, targets)
+    assert abs(l.item() - loss.item()) / loss.item() < 1e-2
+    assert set(grads) == {k for k, _ in model.named_parameters()}
+    for k, p in model.named_parameters():
+        cos = torch.nn.functional.cosine_similarity(grads[k].double().flatten(), p.grad.flatten(), dim=0).item()
+        assert cos >= 0.999, (k, cos)
+    with_bias = str(tmp_path / 'bias.mlpackage')
+    hg.export_coreml(hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16), 2, 5, with_bias)
+    with pytest.raises(hg.UserError, match='export_ane.py'):
+        hg.CoreMLEngine(with_bias, config=cfg)

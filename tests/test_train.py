@@ -50,12 +50,15 @@ def test_interrupt_then_resume_continues_exactly(data_dir, tmp_path, ctrl_c):
         assert torch.equal(pa, pb), k
 
 
-def test_hetero_fp32_matches_gpu_only(data_dir, tmp_path):
+@pytest.mark.parametrize('bias', ['True', 'False'])
+def test_hetero_fp32_matches_gpu_only(data_dir, tmp_path, bias):
     # eager engine in fp32 taking half of every step vs autograd alone: same batches, and
-    # losses within fp32 rounding (1e-7 relative per op, grown over 10 AdamW steps: 1e-4)
-    _, gpu = run(data_dir, tmp_path / 'g', '--max_iters', '10', '--eval_interval', '10', '--mode', 'gpu')
+    # losses within fp32 rounding (1e-7 relative per op, grown over 10 AdamW steps: 1e-4);
+    # GPT-2's biases and nanoGPT's bias=False alike
+    _, gpu = run(data_dir, tmp_path / 'g', '--max_iters', '10', '--eval_interval', '10', '--mode', 'gpu',
+                 '--bias', bias)
     _, het = run(data_dir, tmp_path / 'h', '--max_iters', '10', '--eval_interval', '10', '--mode', 'hetero',
-                 '--ane_dtype', 'float32', '--ane_fraction', '0.5')
+                 '--ane_dtype', 'float32', '--ane_fraction', '0.5', '--bias', bias)
     assert het[-1]['ane_microbatches'] == 1 and het[-1]['ane_loss'] > 0 and het[-1]['gpu_loss'] > 0
     for g, h in zip(gpu, het):
         assert abs(g['loss'] - h['loss']) < 1e-4 * g['loss'], (g, h)
