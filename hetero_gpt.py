@@ -837,7 +837,7 @@ def import_coremltools():
     return coremltools
 
 
-PROGRAM_FORMAT = 2  # bump when the program's inputs or outputs change meaning
+PROGRAM_FORMAT = 3  # bump when the program's inputs, outputs or metadata change (3: bias in the metadata)
 
 
 def build_coreml_program(cfg, B, T):
