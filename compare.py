@@ -37,7 +37,8 @@ import hetero_gpt as hg
 
 MODES = ('gpu', 'ane', 'hetero')
 OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume', 'bench')  # compare.py sets or forbids these
-UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_package', 'device')  # may differ when a run is reused
+UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_package', 'device', 'bench_iters',
+             'bench_repeats')  # may differ when a run is reused
 # (device too: finished runs made on a GPU machine can be summarized on another one)
 
 # -----------------------------------------------------------------------------
@@ -194,7 +195,8 @@ def run_one(flags, mode, seed, out_dir):
     saved_path, saved = os.path.join(run_dir, 'compare_config.json'), None
     if os.path.exists(saved_path):
         with open(saved_path) as f:
-            saved = {k: v for k, v in json.load(f).items() if k not in UNCHECKED}
+            # settings added since that run was made take their defaults (they did not exist then)
+            saved = {k: v for k, v in (dataclasses.asdict(hg.Config()) | json.load(f)).items() if k not in UNCHECKED}
     if (os.path.exists(metrics) or os.path.exists(ckpt)) and saved != settings:
         diff = ', '.join(f'{k}: {(saved or {}).get(k)} there, {v} now' for k, v in settings.items()
                          if (saved or {}).get(k) != v)
@@ -265,6 +267,8 @@ def seed_list(s):
         out = []
         for part in s.split(','):
             a, _, b = part.partition('-')
+            if int(b or a) < int(a):
+                raise ValueError
             out += list(range(int(a), int(b or a) + 1))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r}: give a count (3) or seeds and ranges (1-4,9)") from None

@@ -138,6 +138,7 @@ def main(argv=None):
     defaults = hg.GPTConfig()
     for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size'):
         p.add_argument(f'--{k}', type=int, default=getattr(defaults, k))
+    p.add_argument('--bias', type=hg._parse_bool, default=True, help="biases as GPT-2 (False: nanoGPT's bias=False)")
     p.add_argument('--microbatch', type=int, default=4, help="sequences per call (B)")
     p.add_argument('--seq_len', type=int, default=0, help="tokens per sequence (T; default block_size)")
     p.add_argument('--out', default='ane.mlpackage', help="where to save the .mlpackage")
@@ -146,7 +147,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     try:
         cfg = hg.GPTConfig(block_size=a.block_size, vocab_size=a.vocab_size, n_layer=a.n_layer,
-                           n_head=a.n_head, n_embd=a.n_embd)
+                           n_head=a.n_head, n_embd=a.n_embd, bias=a.bias)
         B, T = a.microbatch, a.seq_len or a.block_size
         t0 = time.perf_counter()
         hg.export_coreml(cfg, B, T, a.out)

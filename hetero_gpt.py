@@ -291,8 +291,7 @@ class TorchOps:
 
     def __init__(self, dtype, device, compile=False, fused_attention=False):
         self.dtype, self.device, self.compile = dtype, torch.device(device), compile
-        # fp64 on CUDA has no fused attention kernel: the derivation's own ops run there
-        self.fused_attention = fused_attention and not (self.device.type == 'cuda' and dtype == torch.float64)
+        self.fused_attention = fused_attention
 
     def fused(self, fn):
         # Eager, every op above is one kernel that reads and writes memory: a layernorm is
@@ -342,6 +341,17 @@ class TorchOps:
     # every piece of the derivation is. Off by default: the fp16 stand-in for the ANE
     # should do attention in fp16 as the Core ML program does, and these kernels keep
     # fp32 softmax statistics inside.
+    def fuses_attention(self, head_dim):
+        """Asked for, and a case the kernels take: the CPU; or CUDA with head_dim a multiple
+        of 8, in fp32 (memory-efficient kernels) or fp16/bf16 on sm80+ (flash). Elsewhere
+        (fp64 on CUDA, MPS, older GPUs) the derivation's own ops run."""
+        if not self.fused_attention or self.device.type not in ('cpu', 'cuda'):
+            return False
+        if self.device.type == 'cpu':
+            return True
+        return head_dim % 8 == 0 and (self.dtype == torch.float32 or (
+            self.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(self.device) >= (8, 0)))
+
     def attention(self, q, k, v):
         """(y, saved): y (B, H, T, D), and what attention_grad needs besides q, k, v, y."""
         if self.device.type == 'cpu':
@@ -443,7 +453,7 @@ def attention_probs(o, q, k, T):
 def attention_forward(o, q, k, v, B, T, H):
     # y = P v
     q, k, v = heads(o, q, B, T, H), heads(o, k, B, T, H), heads(o, v, B, T, H)
-    if o.fused_attention:  # the same y by a fused kernel, P never stored (TorchOps.attention)
+    if o.fuses_attention(q.shape[-1]):  # the same y by a fused kernel, P never stored (TorchOps.attention)
         y, saved = o.attention(q, k, v)
         return merge_heads(o, y, B, T), (q, k, v, y, saved)
     p = attention_probs(o, q, k, T)
@@ -455,7 +465,7 @@ def attention_backward(o, dy, cache, B, T, H):
     # dv = P^T dy, dP = dy v^T, dS = P * (dP - rowsum(dP * P)) (softmax backward),
     # dq = dS k * scale, dk = dS^T q * scale. The mask is a constant: no gradient.
     dy = heads(o, dy, B, T, H)
-    if o.fused_attention:
+    if o.fuses_attention(cache[0].shape[-1]):  # cache[0] is q in either layout
         dq, dk, dv = o.attention_grad(dy, *cache)
         return merge_heads(o, dq, B, T), merge_heads(o, dk, B, T), merge_heads(o, dv, B, T)
     q, k, v, p = cache
@@ -791,7 +801,9 @@ class MILTensor:
 class MILOps:
     """MIL backend of the derivation: every op is one the ANE runs (ANE_NOTES)."""
     recompute_attention = False  # a graph compiler plans its own memory: keep P, skip the recompute
-    fused_attention = False      # the program spells attention out in the derivation's ops
+
+    def fuses_attention(self, head_dim):  # the program spells attention out in the derivation's ops
+        return False
 
     def __init__(self):
         from coremltools.converters.mil import Builder as mb
@@ -989,7 +1001,8 @@ class CoreMLEngine:
             raise UserError(
                 f"{self.path} was exported for {self.cfg} and microbatch {self.B}x{self.T}, not {c} and {b}x{t}: "
                 f"re-export with `python export_ane.py --n_layer {c.n_layer} --n_head {c.n_head} --n_embd {c.n_embd} "
-                f"--block_size {c.block_size} --vocab_size {c.vocab_size} --microbatch {b} --seq_len {t} --out {self.path}`")
+                f"--block_size {c.block_size} --vocab_size {c.vocab_size} --bias {c.bias} --microbatch {b} --seq_len {t} "
+                f"--out {self.path}`")
 
     def load_weights(self, params):
         # fp16 copies of the weights, refreshed once per step into the same buffers
@@ -1125,7 +1138,7 @@ class EagerEngine:
         if self.w is None:
             self.flat, views = flat_buffer(params.values(), self.dtype, self.device)
             self.w = dict(zip(params, views))
-            if src != self.device:
+            if self.flat.device != src:  # tensors' devices: 'cuda' is 'cuda:0' here
                 self.staging, self.staging_w = flat_buffer(params.values(), self.dtype, src)
         if self.stream is not None and src.type == 'cuda':
             self.stream.wait_stream(torch.cuda.current_stream(src))
@@ -1136,7 +1149,12 @@ class EagerEngine:
                 torch._foreach_copy_(self.staging_w, list(params.values()))
                 self.flat.copy_(self.staging)
         if self.graph_shape and self.graph is None:
-            self.capture()
+            try:
+                self.capture()
+            except RuntimeError as e:  # e.g. out of memory: run op by op instead
+                self.graph, self.graph_shape = None, None
+                self.label = self.label.replace(', CUDA graph', '')
+                print(f"{self.label}: CUDA graph capture failed ({e}); running the step op by op")
 
     def capture(self):
         B, T = self.graph_shape
@@ -1351,6 +1369,8 @@ class HeteroStep:
             if not self.alive:
                 raise RuntimeError("both engines failed") from error
             other = next(iter(self.alive))
+            if other != 'gpu' and not shares[other]:  # it had no share, so no weights of this step
+                self.engines[other].load_weights(self.params)
             redo = {}
             run_engine(self.engines[other], shares[name], redo)
             if 'error' in redo:
@@ -1686,7 +1706,8 @@ def setup(cfg, given, log=print):
             ok = False
         if not ok:
             raise UserError(f"--ane_fraction must be auto or a number in [0, 1], got {cfg.ane_fraction!r}")
-    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'gradient_accumulation_steps'):
+    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'gradient_accumulation_steps',
+              'bench_iters', 'bench_repeats'):
         if getattr(cfg, k) < 1:
             raise UserError(f"--{k} must be at least 1")
     model_config(cfg)  # raises if n_embd % n_head
@@ -1708,7 +1729,7 @@ def train(cfg, given=frozenset()):
         if not os.path.exists(ckpt_path):
             raise UserError(f"--resume: no checkpoint at {ckpt_path}")
         ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if ck['model_args'] != dataclasses.asdict(model.config):
+        if {'bias': True, **ck['model_args']} != dataclasses.asdict(model.config):  # older ones lack bias
             raise UserError(f"checkpoint is for {ck['model_args']}, not {dataclasses.asdict(model.config)}")
         model.load_state_dict(ck['model'])
         optimizer.load_state_dict(ck['optimizer'])
@@ -1815,11 +1836,12 @@ def bench(cfg, given):
     torch.manual_seed(cfg.seed)
     init = GPT(model_config(cfg)).state_dict()
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    runs, rounds = {}, {}
+    runs, rounds, threads = {}, {}, {}
     for mode in ('gpu', 'ane', 'hetero'):
         model, optimizer, engines, step, meter = build_run(cfg, device, dtype, mode)
         model.load_state_dict(init)
         runs[mode] = (optimizer, engines, step, meter)
+        threads[mode] = torch.get_num_threads()  # hetero with a CPU engine leaves a core free
         rounds[mode] = dict(tok_s=[], joules=[], engine_s={}, step_s=[])
 
     def sync():  # every engine's work done, so that a round's time holds all of it
@@ -1830,6 +1852,7 @@ def bench(cfg, given):
 
     def train_step(mode, it):
         optimizer, _, step, _ = runs[mode]
+        torch.set_num_threads(threads[mode])
         out = step(step_batches(cfg, data['train'], it))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

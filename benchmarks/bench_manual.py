@@ -79,36 +79,45 @@ def manual(dtype, scale, compile=False, fused=False):
 
 def graphed(dtype, scale, fused):
     """The eager engine as hetero mode runs it on CUDA: its step captured once as a CUDA
-    graph and replayed. The graph's memory pool is allocated at capture, before measure()
-    takes its baseline, so it is added to the row's peak (fn.held)."""
+    graph and replayed. Replays allocate nothing: the graph's pool was filled at capture,
+    before measure() takes its baseline, so the capture's peak above the weight buffer is
+    added to the row's peak (fn.held)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     eng = hg.EagerEngine(cfg, device, dtype, hg.LossScaler(scale, 10**9), graph_shape=(a.batch_size, a.block_size),
                          fused_attention=fused)
     eng.load_weights(params)
     torch.cuda.synchronize()
     fn = lambda: eng.loss_and_grads(x, y)[1]
-    fn.held = torch.cuda.memory_allocated() - before - eng.flat.numel() * eng.flat.element_size()
+    fn.held = torch.cuda.max_memory_allocated() - before - eng.flat.numel() * eng.flat.element_size()
     return fn
 
 
 names = {torch.float32: 'fp32 (TF32 matmuls)', torch.bfloat16: 'bf16 (autograd: autocast; manual: bf16 weights)',
          torch.float16: 'fp16 (autograd: autocast; manual: fp16, loss scale 1024)'}
 scales = {torch.float32: 1.0, torch.bfloat16: 1.0, torch.float16: 1024.0}
-rows = [(name, autograd(d), manual(d, scales[d])) for d, name in names.items()]
-rows += [(names[d] + ', both compiled', autograd(d, True), manual(d, scales[d], True))
+# each row: (name, make autograd's step, make the manual step), made when the row is measured
+rows = [(name, lambda d=d: autograd(d), lambda d=d: manual(d, scales[d])) for d, name in names.items()]
+rows += [(names[d] + ', both compiled', lambda d=d: autograd(d, True), lambda d=d: manual(d, scales[d], True))
          for d in (getattr(torch, n) for n in a.compiled.split(',') if n)]
 # --fused_attention (the attention piece by PyTorch's fused kernel pair), eager and as the
 # CUDA graph the hetero engine replays; autograd eager beside each
 for tag, make in ((', manual: fused attention', lambda d: manual(d, scales[d], fused=True)),
                   (', manual: fused attention + CUDA graph', lambda d: graphed(d, scales[d], True)),
                   (', manual: CUDA graph', lambda d: graphed(d, scales[d], False))):
-    rows += [(names[d] + tag, autograd(d), make(d)) for d in names]
+    rows += [(names[d] + tag, lambda d=d: autograd(d), lambda d=d, make=make: make(d)) for d in names]
 print(f"GPT-2 {sum(q.numel() for q in params.values()) / 1e6:.1f}M, batch {a.batch_size} x {a.block_size}, "
       f"{torch.cuda.get_device_name()}")
 print("| precision | autograd tok/s | manual tok/s | manual/autograd | autograd peak GiB | manual peak GiB |")
 print("|---|---|---|---|---|---|")
-for name, ag, mn in rows:
-    (ta, ma), (tm, mm) = measure(ag), measure(mn)
+for name, make_ag, make_mn in rows:
+    ag = make_ag()
+    ta, ma = measure(ag)
+    del ag
+    mn = make_mn()  # after autograd's row: a CUDA graph's pool is not held while autograd runs
+    tm, mm = measure(mn)
     mm += getattr(mn, 'held', 0) / 2**30
+    del mn
+    torch.cuda.empty_cache()
     print(f"| {name} | {ta:,.0f} | {tm:,.0f} | {tm / ta:.2f}x | {ma:.2f} | {mm:.2f} |", flush=True)

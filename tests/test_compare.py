@@ -136,6 +136,15 @@ def test_compare_end_to_end_and_reuse(data_dir, tmp_path, capsys):
     assert os.path.getmtime(out / 'gpu_s1' / 'metrics.jsonl') == stamp
     assert again['modes'] == summary['modes']
 
+    # a run saved before a setting existed (here: bias, fused_attention) had its default
+    for m in ('gpu', 'ane', 'hetero'):
+        for s in (1, 2):
+            path = out / f'{m}_s{s}' / 'compare_config.json'
+            old = json.loads(path.read_text())
+            path.write_text(json.dumps({k: v for k, v in old.items() if k not in ('bias', 'fused_attention')}))
+    compare.main(tiny(data_dir, out))
+    assert capsys.readouterr().out.count('finished run found, reused') == 6
+
     # other settings in the same out_dir are refused, not mixed in
     with pytest.raises(SystemExit) as e:
         compare.main(tiny(data_dir, out, '--learning_rate', '1e-2'))
@@ -174,6 +183,6 @@ def test_seed_lists():
     assert compare.seed_list('3') == [1, 2, 3]
     assert compare.seed_list('1-4,9') == [1, 2, 3, 4, 9]
     assert compare.seed_list('5,7') == [5, 7]
-    for bad in ('0-2', '1,1', 'a', '2-x', ''):
+    for bad in ('0-2', '1,1', 'a', '2-x', '', '5-3'):
         with pytest.raises(argparse.ArgumentTypeError):
             compare.seed_list(bad)

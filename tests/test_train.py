@@ -230,6 +230,35 @@ def test_failing_engine_leaves_training_running():
     assert len(said) == 1 and 'device lost' in said[0]
 
 
+def test_engine_without_a_share_redoes_a_failed_step_on_this_steps_weights():
+    # the split gives the eager engine nothing, so its weights were not loaded this step;
+    # when the GPU engine then fails, it runs the step's microbatches on the current
+    # weights: the same gradient as autograd's, to fp64 rounding
+    cfg = hg.GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=4)
+    torch.manual_seed(0)
+    model = hg.GPT(cfg).double()
+    mbs = [(torch.randint(0, 16, (1, 8)), torch.randint(0, 16, (1, 8))) for _ in range(2)]
+    eng = {'gpu': FakeEngine('gpu', 0, None, fail=True),
+           'ane': hg.EagerEngine(cfg, torch.device('cpu'), torch.float64, hg.LossScaler(1.0, 0, enabled=False))}
+    out = hg.HeteroStep(model, eng, hg.Split(2, '0'), log=lambda s: None)(mbs)
+    assert out['used'] == ['ane'] and out['results']['ane']['n'] == 2
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    sum(model(x, y)[1] for x, y in mbs).div(2).backward()
+    for k, p in model.named_parameters():
+        assert (got[k] - p.grad).abs().max() <= 1e-12 * p.grad.abs().max().clamp_min(1e-30), k
+
+
+def test_checkpoint_from_before_the_bias_option_resumes(data_dir, tmp_path):
+    # checkpoints written before GPTConfig had `bias` were GPT-2 with biases: they resume
+    run(data_dir, tmp_path, '--max_iters', '4', '--eval_interval', '4')
+    ck = torch.load(tmp_path / 'ckpt.pt', weights_only=False)
+    del ck['model_args']['bias']
+    torch.save(ck, tmp_path / 'ckpt.pt')
+    _, rows = run(data_dir, tmp_path, '--max_iters', '6', '--eval_interval', '2', '--resume')
+    assert rows[-1]['step'] == 6
+
+
 def test_hetero_step_equals_single_engine_step_fp64():
     # both engines in fp64 on the CPU: a hetero step over 4 microbatches (2 on autograd, 2
     # on the eager derivation) and an autograd-only step over the same 4 give the same
