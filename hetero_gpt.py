@@ -1054,12 +1054,14 @@ def ensure_coreml_package(cfg, log=print):
 
 # -----------------------------------------------------------------------------
 # 5. Engines. Each computes (loss, grads) for one microbatch from the current weights:
-#   loss_and_grads(idx, targets) -> (0-dim loss tensor, {param name: gradient})
+#   loss_and_grads(idx, targets) -> (0-dim loss tensor, {param name: gradient}), fp32
+#   (fp64 in fp64 runs) tensors of the caller's own: the concurrent step sums into them,
 # and has name, label, device, stream (its own CUDA stream, or None), holds_gil, scaler
 # (a LossScaler), load_weights(params) (once per step) and synchronize().
 # AutogradEngine: nanoGPT's model + autograd (the GPU: MPS or CUDA; or the CPU).
 # EagerEngine:    the derivation above run by PyTorch, no autograd. Off a Mac it stands
-#                 in for the ANE, in fp16 by default so its arithmetic is the ANE's.
+#                 in for the ANE, in fp16 by default so its arithmetic is the ANE's; on
+#                 CUDA its step is one CUDA graph, replayed, as the ANE runs one program.
 # CoreMLEngine:   the derivation as a Core ML program on the ANE (section 4).
 
 
