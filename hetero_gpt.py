@@ -637,11 +637,11 @@ def host_weights(params, cfg):
     """The dense program's weight inputs from nanoGPT's names: the same tensors, with
     c_attn sliced into q/k/v rows and the (tied) embedding into vocabulary chunks."""
     inp = {'lnf_w': params['transformer.ln_f.weight']}
-    if cfg.bias:
+    if 'transformer.ln_f.bias' in params:  # biases only where the model has them (bias=False)
         inp['lnf_b'] = params['transformer.ln_f.bias']
     for l in range(cfg.n_layer):
         for k, (name, third) in BLOCK_PARAMS.items():
-            if cfg.bias or not is_bias(k):
+            if f'transformer.h.{l}.{name}' in params:
                 w = params[f'transformer.h.{l}.{name}']
                 inp[f'h{l}_{k}'] = w if third is None else w.chunk(3, 0)[third]
     rows, spans = vocab_chunks(cfg.vocab_size)
@@ -677,12 +677,12 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
     dwpe = torch.zeros(cfg.block_size, C, dtype=out_dtype, device=dwte.device)
     dwpe[:T] = g['x0'].reshape(B, T, C).sum(0)           # every sequence uses wpe[:T]
     grads = {'transformer.wte.weight': dwte, 'transformer.wpe.weight': dwpe, 'transformer.ln_f.weight': g['lnf_w']}
-    if cfg.bias:
+    if 'lnf_b' in g:  # a gradient for every input the program had, biases only with bias=True
         grads['transformer.ln_f.bias'] = g['lnf_b']
     for l in range(cfg.n_layer):
         for k, (name, third) in BLOCK_PARAMS.items():
             full = f'transformer.h.{l}.{name}'
-            if is_bias(k) and not cfg.bias:
+            if f'h{l}_{k}' not in g:
                 continue
             if third is None:
                 grads[full] = g[f'h{l}_{k}']

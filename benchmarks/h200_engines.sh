@@ -4,11 +4,10 @@
 # them as two. NANOGPT: a checkout of karpathy/nanoGPT (not in this repo).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-python3 -c "import tqdm" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+python3 -c "import tqdm, pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__)"
 # the CUDA-only tests first (fused attention kernels, the eager engine's CUDA graph)
-python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -n 5
 [[ " ${PARTS:-nano manual} " == *" nano "* ]] &&
   timeout ${LIMIT_NANO:-450} python3 benchmarks/compare_nanogpt.py --nanogpt "${NANOGPT:-.bench/nanoGPT}"

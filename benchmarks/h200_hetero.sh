@@ -7,7 +7,7 @@
 # microbatch shapes it benches; CURVE=0 skips its 50-step loss comparison).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-python3 -c "import tqdm" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+python3 -c "import tqdm, pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 nproc
 common="--bench --dataset shakespeare --device cuda --quiet"
@@ -24,9 +24,7 @@ fi
 if [[ " ${CASES:-A B} " == *" C "* ]]; then
   echo "== C: two GPUs, GPT-2 124M"
   nvidia-smi -L; nvidia-smi topo -m
-  # the CUDA-only tests first (a CUDA graph of the eager step, an engine on the second GPU);
-  # pytest comes from the carried wheels where the machine lacks it
-  python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  # the CUDA-only tests first (a CUDA graph of the eager step, an engine on the second GPU)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -n 5
   # the same 32768 tokens a step as 4 x 8 and as 2 x 16 microbatches: the split is a whole
   # number of microbatches, so finer ones let it come closer to the engines' speed ratio
