@@ -37,9 +37,11 @@ rows = []
 for dtype, compile in [('float32', False), ('bfloat16', False), ('bfloat16', True)]:
     nano = lambda bias: run([sys.executable, 'bench.py', '--real_data=False', f'--dtype={dtype}',
                              f'--compile={compile}', f'--bias={bias}'], cwd=a.nanogpt)
-    ours = lambda bias: run([sys.executable, os.path.join(here, 'bench_gpu.py'), '--dtype', dtype, '--bias', bias]
-                            + (['--compile'] if compile else []))
+    ours = lambda bias, *more: run([sys.executable, os.path.join(here, 'bench_gpu.py'), '--dtype', dtype, '--bias', bias]
+                                   + (['--compile'] if compile else []) + list(more))
     r = {'nanoGPT': nano(False), 'ours': ours('False')}
+    if dtype == 'bfloat16' and not compile:  # the cost of waiting on the host for the finiteness check
+        r['ours, host check'] = ours('False', '--host_check')
     r['nanoGPT bias'], r['ours bias'] = (None, None) if compile else (nano(True), ours('True'))
     rows.append((f"{dtype}{' + compile' if compile else ' eager'}", r))
 
@@ -52,3 +54,7 @@ print("|---|---|---|---|---|---|---|")
 for name, r in rows:
     print(f"| {name} | {cell(r['nanoGPT'])} | {cell(r['ours'])} | {ratio(r['ours'], r['nanoGPT'])} "
           f"| {cell(r['nanoGPT bias'])} | {cell(r['ours bias'])} | {ratio(r['ours bias'], r['nanoGPT bias'])} |")
+for name, r in rows:
+    if 'ours, host check' in r:
+        print(f"{name}, ours --bias False with the finiteness check read on the host before AdamW: "
+              f"{cell(r['ours, host check'])}, ratio {ratio(r['ours, host check'], r['nanoGPT'])}")

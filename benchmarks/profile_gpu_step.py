@@ -50,7 +50,7 @@ timeit('ours: forward+backward', fwd_bwd(ours))
 opt_t = theirs.configure_optimizers(0.1, 6e-4, (0.9, 0.95), 'cuda')
 cfg = hg.Config()
 opt_o = hg.make_optimizer(ours, cfg, dev)
-step = hg.HeteroStep(ours, {'gpu': hg.AutogradEngine(ours, dev, torch.bfloat16)}, hg.Split(1, '0'))
+step = hg.HeteroStep(ours, {'gpu': hg.AutogradEngine(ours, dev, torch.bfloat16)}, hg.Split(1, '0'), optimizer=opt_o)
 
 
 def theirs_step():
@@ -59,9 +59,7 @@ def theirs_step():
 
 
 def ours_step():
-    step([(x, y)])
-    opt_o.step()
-    opt_o.zero_grad(set_to_none=True)
+    step.update(step([(x, y)]))
 
 
 timeit('nanoGPT: forward+backward+AdamW', theirs_step)

@@ -206,6 +206,45 @@ def test_nonfinite_gradients_are_skipped_and_counted():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_deferred_check_skips_a_nonfinite_step_on_the_device():
+    # one engine, no loss scale, fused AdamW: the host does not wait for the finiteness
+    # check before the update; AdamW gets it as found_inf and skips the bad step itself.
+    # Afterwards the host knows what it would have known: skipped, counted, loss nan.
+    model = tiny_model()
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, float('inf')))}
+    eng['gpu'].scaler = hg.LossScaler(1.0, 0, enabled=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    step = hg.HeteroStep(model, eng, hg.Split(2, '0'), optimizer=opt)
+    out = step(microbatches(2))
+    assert step.can_defer and torch.is_tensor(out['found_inf']) and step.skipped == 0  # not read yet
+    step.update(out, grad_clip=1.0)
+    assert out['used'] == [] and out['loss'] != out['loss'] and step.skipped == 1 and step.dropped['gpu'] == 1
+    for k, p in model.named_parameters():
+        assert torch.equal(p, before[k]) and p.grad is None, k
+        assert opt.state[p]['step'].item() == 0  # AdamW's step count was not advanced either
+
+
+def test_deferred_check_updates_as_the_host_check_does():
+    # the same finite step, with the check deferred (fused AdamW) and read on the host
+    # (the same optimizer, told not to defer): bit-identical weights, the same loss
+    grads = lambda m: const_grads(m, 0.5)
+    results = []
+    for defer in (True, False):
+        model = tiny_model()
+        eng = {'gpu': FakeEngine('gpu', 0, grads(model))}
+        eng['gpu'].scaler = hg.LossScaler(1.0, 0, enabled=False)
+        step = hg.HeteroStep(model, eng, hg.Split(3, '0'),
+                             optimizer=torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+        step.can_defer = defer
+        out = step(microbatches(3))
+        assert torch.is_tensor(out['found_inf']) == defer
+        out = step.update(out, grad_clip=0.1)
+        assert out['used'] == ['gpu'] and out['loss'] == 2.0 and out['found_inf'] is None
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_loss_scale_grows_after_a_window_of_finite_steps():
     s = hg.LossScaler(1024.0, 2)
     s.update(True)
