@@ -183,7 +183,7 @@ def finished(rows, cfg):
     return bool(rows) and rows[-1]['step'] == cfg.max_iters and 'val_ppl' in rows[-1]
 
 
-def run_one(flags, mode, seed, out_dir):
+def run_one(flags, mode, seed, out_dir, drop_checkpoint=False):
     """Train one (mode, seed), or reuse/resume what its directory holds. Returns metrics rows."""
     run_dir = os.path.join(out_dir, f'{mode}_s{seed}')
     defaults = ['--quiet', '--sample_tokens', '0', '--ane_package', os.path.join(out_dir, 'ane.mlpackage')]
@@ -218,6 +218,8 @@ def run_one(flags, mode, seed, out_dir):
     if not finished(rows, cfg):
         raise hg.UserError(f"training in {run_dir} stopped at step {rows[-1]['step'] if rows else 0} of "
                            f"{cfg.max_iters}: run the same command again to resume")
+    if drop_checkpoint and os.path.exists(ckpt):  # finished: its metrics are all the comparison reads
+        os.remove(ckpt)
     return rows
 
 
@@ -286,6 +288,8 @@ def main(argv=None):
     parser.add_argument('--margin', type=float, default=0.01, help="equivalence margin on the perplexity ratio")
     parser.add_argument('--alpha', type=float, default=0.05, help="significance level")
     parser.add_argument('--out_dir', default='out/compare', help="runs, summary.json and compare.png")
+    parser.add_argument('--drop_checkpoints', action='store_true',
+                        help="delete a run's ckpt.pt once it has finished (GPT-2 124M: 1.5 GB a run)")
     args, flags = parser.parse_known_args(argv)
     try:
         return compare(args, flags)
@@ -305,7 +309,7 @@ def compare(args, flags):
     hg.parse_args(flags)  # unknown or malformed flags fail here, before any training
     seeds = args.seeds
     # seed by seed, so an interrupted comparison has whole seeds (every mode) done
-    done = {(m, s): run_one(flags, m, s, args.out_dir) for s in seeds for m in MODES}
+    done = {(m, s): run_one(flags, m, s, args.out_dir, args.drop_checkpoints) for s in seeds for m in MODES}
     runs = {m: [done[m, s] for s in seeds] for m in MODES}
     ppl = {m: np.array([rows[-1]['val_ppl'] for rows in runs[m]]) for m in MODES}
     modes = {}

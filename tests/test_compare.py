@@ -161,8 +161,10 @@ def test_interrupted_comparison_resumes(data_dir, tmp_path, capsys, ctrl_c):
         compare.main(tiny(data_dir, tmp_path / 'b'))
     assert e.value.code == 2 and 'run the same command again' in capsys.readouterr().err
     ctrl_c.off()
-    resumed = compare.main(tiny(data_dir, tmp_path / 'b'))
+    resumed = compare.main(tiny(data_dir, tmp_path / 'b', '--drop_checkpoints'))
     assert 'resumed from' in capsys.readouterr().out
+    # --drop_checkpoints: finished runs keep their metrics, not their checkpoints
+    assert not list((tmp_path / 'b').glob('*/ckpt.pt')) and len(list((tmp_path / 'a').glob('*/ckpt.pt'))) == 6
     for m in ('gpu', 'ane', 'hetero'):
         assert resumed['modes'][m]['final_val_ppl'] == pytest.approx(straight['modes'][m]['final_val_ppl'], rel=1e-9)
 
