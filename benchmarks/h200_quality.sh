@@ -2,7 +2,7 @@
 # Issue 6 on the H200: GPU-only, ANE-only and hetero, GPT-2 124M on Shakespeare, context 256,
 # 200 steps of 8 x 256 x 4 tokens, half of each step's microbatches on the "ANE" in hetero
 # (the eager derivation in fp16 on the same GPU, its own CUDA stream). FLAGS: the learning
-# rate and anything else to add. GROUPS: seed lists, one compare.py process each, placed on
+# rate and anything else to add. SEED_GROUPS: seed lists, one compare.py process each, placed on
 # the machine's GPUs in turn; several share a GPU well, since at 2,048 tokens a microbatch
 # each run is bound by kernel launches, not by the GPU (so their time axes are not a speed
 # measurement). Each process stops after LIMIT seconds; the runs' metrics come back as one
@@ -16,7 +16,7 @@ DIR=${DIR:-out/compare_h200}
 mkdir -p "$DIR"
 NGPU=$(nvidia-smi -L | wc -l)
 k=0
-for seeds in ${GROUPS:-1-3 4-6}; do
+for seeds in ${SEED_GROUPS:-1-3 4-6}; do
   CUDA_VISIBLE_DEVICES=$((k % NGPU)) timeout ${LIMIT:-400} python3 compare.py --dataset shakespeare --seeds $seeds \
     --out_dir "$DIR" --drop_checkpoints --device cuda --block_size 256 --batch_size 8 --gradient_accumulation_steps 4 \
     --max_iters 200 --warmup_iters 20 --eval_interval 200 --eval_seconds 3 --log_interval 10 --ane_fraction 0.5 \
