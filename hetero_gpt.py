@@ -234,9 +234,14 @@ class GPT(nn.Module):
         # matmul runs on the weight padded with zero rows to a multiple of 64, and the padded
         # logits are set to -inf: they drop out of the softmax (exp(-inf) = 0) and get no
         # gradient, so loss and gradients are GPT-2's, at the aligned speed.
+        # Under autocast the padding copies the bf16/fp16 weight autocast makes anyway: half
+        # the bytes of padding the fp32 master, and the backward slices a bf16 gradient.
         V, pad = self.config.vocab_size, -self.config.vocab_size % 64
         if pad:
-            logits = F.linear(x, F.pad(self.lm_head.weight, (0, 0, 0, pad)))
+            w, dev = self.lm_head.weight, x.device.type
+            if torch.is_autocast_enabled(dev):
+                w = w.to(torch.get_autocast_dtype(dev))
+            logits = F.linear(x, F.pad(w, (0, 0, 0, pad)))
             logits[..., V:] = -math.inf
         else:
             logits = self.lm_head(x)

@@ -341,3 +341,34 @@ def test_bench_times_every_mode_in_turns(data_dir, capsys):
     assert rows['hetero']['split'] in ('0/2', '1/2', '2/2') and rows['gpu']['ms_engines'].keys() == {'gpu'}
     out = capsys.readouterr().out
     assert 'hetero / (gpu + ane alone) = ' in out and 'x GPU-only' in out
+
+
+def test_padded_lm_head_under_autocast_is_gpt2s():
+    # vocabulary 100 is padded to 128 inside GPT.forward; under bf16 autocast the padding is
+    # done on autocast's bf16 copy of the weight. Against the unpadded head under the same
+    # autocast: the same bf16 products, so loss and gradients agree to bf16 rounding of the
+    # logits (2^-8 relative), here checked at 1e-2 relative / cosine 0.9999
+    torch.manual_seed(0)
+    m = hg.GPT(hg.GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16))
+    x, y = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
+
+    def unpadded():
+        h = m.transformer.wte(x) + m.transformer.wpe(torch.arange(16))
+        for block in m.transformer.h:
+            h = block(h)
+        logits = torch.nn.functional.linear(m.transformer.ln_f(h), m.lm_head.weight)
+        return logits, torch.nn.functional.cross_entropy(logits.view(-1, 100), y.view(-1))
+
+    got = {}
+    for name, fn in (('padded', lambda: m(x, y)), ('unpadded', unpadded)):
+        m.zero_grad()
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            logits, loss = fn()
+        loss.backward()
+        got[name] = (logits.float(), loss.item(), {k: p.grad.clone() for k, p in m.named_parameters()})
+    (lp, a, ga), (lu, b, gb) = got['padded'], got['unpadded']
+    assert lp.shape == lu.shape == (2, 16, 100) and (lp - lu).abs().max() <= 1e-2 * lu.abs().max()
+    assert abs(a - b) <= 1e-2 * b
+    for k in ga:
+        cos = torch.nn.functional.cosine_similarity(ga[k].flatten(), gb[k].flatten(), dim=0)
+        assert ga[k].dtype == torch.float32 and cos >= 0.9999, (k, cos)
