@@ -204,6 +204,8 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        V, pad = config.vocab_size, -config.vocab_size % 64  # see forward; not in the state dict
+        self.register_buffer('pad_logits', torch.cat([torch.zeros(V), torch.full((pad,), -math.inf)]), persistent=False)
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if pn.endswith('c_proj.weight'):
@@ -231,18 +233,19 @@ class GPT(nn.Module):
             return self.lm_head(x[:, [-1], :]), None
         # Tensor cores want aligned rows: with GPT-2's odd 50257, all three LM-head matmuls
         # (forward, d x, d W) take a slow path (bf16 on an H200: 62 vs 42 ms a step). So the
-        # matmul runs on the weight padded with zero rows to a multiple of 64, and the padded
-        # logits are set to -inf: they drop out of the softmax (exp(-inf) = 0) and get no
-        # gradient, so loss and gradients are GPT-2's, at the aligned speed.
+        # matmul runs on the weight padded with zero rows to a multiple of 64, and a constant
+        # bias of 0, ..., 0, -inf, ..., -inf (added in the matmul's epilogue; no gradient)
+        # makes the padded logits -inf: they drop out of the softmax (exp(-inf) = 0) and get
+        # no gradient, so loss and gradients are GPT-2's, at the aligned speed. (Writing the
+        # -inf into the logits in place instead costs autograd a copy of their whole gradient.)
         # Under autocast the padding copies the bf16/fp16 weight autocast makes anyway: half
-        # the bytes of padding the fp32 master, and the backward slices a bf16 gradient.
+        # the bytes of padding the fp32 master.
         V, pad = self.config.vocab_size, -self.config.vocab_size % 64
         if pad:
             w, dev = self.lm_head.weight, x.device.type
             if torch.is_autocast_enabled(dev):
                 w = w.to(torch.get_autocast_dtype(dev))
-            logits = F.linear(x, F.pad(w, (0, 0, 0, pad)))
-            logits[..., V:] = -math.inf
+            logits = F.linear(x, F.pad(w, (0, 0, 0, pad)), self.pad_logits)
         else:
             logits = self.lm_head(x)
         # under autocast the log-softmax inside cross_entropy runs in fp32, read straight
