@@ -16,12 +16,18 @@ LM-head matmul is padded internally).
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 
 here = os.path.dirname(os.path.abspath(__file__))
 p = argparse.ArgumentParser()
 p.add_argument('--nanogpt', required=True)
+p.add_argument('--settings', default='float32,bfloat16,bfloat16+compile', help='which of the three rows')
+p.add_argument('--rounds', type=int, default=1,
+               help='nanoGPT and ours take turns this many times; a cell is the median of its rounds')
+p.add_argument('--like_for_like', action='store_true',
+               help='only bias=False against --bias False (no rows with biases, no host-check variant)')
 a = p.parse_args()
 pat = re.compile(r'time per iteration: ([\d.]+)ms')
 
@@ -33,17 +39,31 @@ def run(cmd, cwd=None):
     return float(m.group(1)) if m else None
 
 
+def median(xs):
+    xs = [x for x in xs if x is not None]  # a failed run prints why and counts as not run
+    return statistics.median(xs) if xs else None
+
+
 rows = []
-for dtype, compile in [('float32', False), ('bfloat16', False), ('bfloat16', True)]:
+for setting in a.settings.split(','):
+    dtype, compile = setting.split('+')[0], setting.endswith('+compile')
     nano = lambda bias: run([sys.executable, 'bench.py', '--real_data=False', f'--dtype={dtype}',
                              f'--compile={compile}', f'--bias={bias}'], cwd=a.nanogpt)
     ours = lambda bias, *more: run([sys.executable, os.path.join(here, 'bench_gpu.py'), '--dtype', dtype, '--bias', bias]
                                    + (['--compile'] if compile else []) + list(more))
-    r = {'nanoGPT': nano(False), 'ours': ours('False')}
-    if dtype == 'bfloat16' and not compile:  # the cost of waiting on the host for the finiteness check
-        r['ours, host check'] = ours('False', '--host_check')
-    r['nanoGPT bias'], r['ours bias'] = (None, None) if compile else (nano(True), ours('True'))
+    cells = {'nanoGPT': lambda: nano(False), 'ours': lambda: ours('False')}
+    if not a.like_for_like and dtype == 'bfloat16' and not compile:  # the cost of waiting on the host for the finiteness check
+        cells['ours, host check'] = lambda: ours('False', '--host_check')
+    if not a.like_for_like and not compile:  # bench.py compiles the same way either way
+        cells |= {'nanoGPT bias': lambda: nano(True), 'ours bias': lambda: ours('True')}
+    times = {k: [] for k in cells}
+    for _ in range(a.rounds):  # in turns, so that a drift of the GPU's clocks touches both alike
+        for k, fn in cells.items():
+            times[k].append(fn())
+    r = {'nanoGPT bias': None, 'ours bias': None} | {k: median(v) for k, v in times.items()}
     rows.append((f"{dtype}{' + compile' if compile else ' eager'}", r))
+    if a.rounds > 1:
+        print(f"{setting}: ms/iter per round: {times}", flush=True)
 
 tok = 12 * 1024
 cell = lambda v: f"{v:.1f} ({tok / v * 1000:,.0f})" if v else 'not run'
