@@ -99,8 +99,10 @@ names = {torch.float32: 'fp32 (TF32 matmuls)', torch.bfloat16: 'bf16 (autograd: 
 scales = {torch.float32: 1.0, torch.bfloat16: 1.0, torch.float16: 1024.0}
 # each row: (name, make autograd's step, make the manual step), made when the row is measured
 rows = [(name, lambda d=d: autograd(d), lambda d=d: manual(d, scales[d])) for d, name in names.items()]
-rows += [(names[d] + ', both compiled', lambda d=d: autograd(d, True), lambda d=d: manual(d, scales[d], True))
-         for d in (getattr(torch, n) for n in a.compiled.split(',') if n)]
+for fused in (False, True):  # compiled, with the attention spelled out or by the fused kernel pair
+    rows += [(names[d] + ', both compiled' + (', manual: fused attention' if fused else ''),
+              lambda d=d: autograd(d, True), lambda d=d, f=fused: manual(d, scales[d], True, f))
+             for d in (getattr(torch, n) for n in a.compiled.split(',') if n)]
 # --fused_attention (the attention piece by PyTorch's fused kernel pair), eager and as the
 # CUDA graph the hetero engine replays; autograd eager beside each
 for tag, make in ((', manual: fused attention', lambda d: manual(d, scales[d], fused=True)),
