@@ -205,19 +205,19 @@ def run_one(flags, mode, seed, out_dir, drop_checkpoint=False):
     print(f"==== {mode}, seed {seed}: {run_dir}")
     if finished(rows, cfg):
         print(f"finished run found, reused (val_ppl {rows[-1]['val_ppl']:.4f})")
-        return rows
-    os.makedirs(run_dir, exist_ok=True)
-    with open(saved_path, 'w') as f:
-        json.dump(settings, f, indent=1)
-    if os.path.exists(ckpt):
-        cfg.resume = True  # continue an interrupted run from its last checkpoint
-    elif os.path.exists(metrics):
-        os.remove(metrics)  # stopped before its first checkpoint: start over
-    hg.train(cfg, given)
-    rows = read_metrics(metrics)
-    if not finished(rows, cfg):
-        raise hg.UserError(f"training in {run_dir} stopped at step {rows[-1]['step'] if rows else 0} of "
-                           f"{cfg.max_iters}: run the same command again to resume")
+    else:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(saved_path, 'w') as f:
+            json.dump(settings, f, indent=1)
+        if os.path.exists(ckpt):
+            cfg.resume = True  # continue an interrupted run from its last checkpoint
+        elif os.path.exists(metrics):
+            os.remove(metrics)  # stopped before its first checkpoint: start over
+        hg.train(cfg, given)
+        rows = read_metrics(metrics)
+        if not finished(rows, cfg):
+            raise hg.UserError(f"training in {run_dir} stopped at step {rows[-1]['step'] if rows else 0} of "
+                               f"{cfg.max_iters}: run the same command again to resume")
     if drop_checkpoint and os.path.exists(ckpt):  # finished: its metrics are all the comparison reads
         os.remove(ckpt)
     return rows

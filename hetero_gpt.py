@@ -243,7 +243,7 @@ class GPT(nn.Module):
         V, pad = self.config.vocab_size, -self.config.vocab_size % 64
         if pad:
             w, dev = self.lm_head.weight, x.device.type
-            if torch.is_autocast_enabled(dev):
+            if torch.is_autocast_enabled(dev) and w.dtype == torch.float32:  # (autocast leaves fp64 be)
                 w = w.to(torch.get_autocast_dtype(dev))
             logits = F.linear(x, F.pad(w, (0, 0, 0, pad)), self.pad_logits)
         else:
@@ -1291,6 +1291,18 @@ class Split:
         self.k, self.sec, self.steps = s['k'], s['sec'], s['steps']
 
 
+def to_host_later(t):
+    """Start copying a small CUDA tensor to pinned host memory and return (copy, event): the
+    host waits on the event when it needs the values, not for everything queued after it."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 def run_engine(engine, microbatches, out, wait_for=None, enqueued=None, defer=False):
     """Thread body: forward+backward of each microbatch, gradients summed. defer: leave the
     loss and the finiteness flag on the device, unread (see HeteroStep.update)."""
@@ -1315,7 +1327,9 @@ def run_engine(engine, microbatches, out, wait_for=None, enqueued=None, defer=Fa
                 if enqueued is not None and i == 0:
                     enqueued.set()
             finite = all_finite(acc | {'loss': loss})
-        if not defer:  # one wait for the device, then the loss and the flag are the host's
+        if defer:  # on their way to the host, read after the update is queued (HeteroStep.update)
+            out['pending'] = to_host_later(torch.stack([loss.float(), finite.float()]))
+        else:  # one wait for the device, then the loss and the flag are the host's
             engine.synchronize()
             loss, finite = float(loss), bool(finite)
         out.update(grads=acc, loss=loss, n=len(microbatches), t0=t0,
@@ -1357,6 +1371,8 @@ class HeteroStep:
         self.skipped = 0  # steps with no usable gradient at all (no update)
 
     def __call__(self, microbatches):
+        """Gradients into p.grad; then update(out) takes the AdamW step and completes `out`
+        (with one engine and no loss scale, its loss is read only there)."""
         k = self.split.assign(self.alive)
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
         for name in self.alive:
@@ -1370,9 +1386,9 @@ class HeteroStep:
         working = sorted((n for n in self.alive if shares[n]), key=lambda n: n != 'gpu')
         results = {name: {} for name in working}
         if len(working) == 1:  # one engine: run it right here, no thread to hand off to
-            engine = self.engines[working[0]]
+            engine = self.engines[working[0]]  # (on the default stream: AdamW reads it in order)
             run_engine(engine, shares[working[0]], results[working[0]],
-                       defer=self.can_defer and not engine.scaler.enabled)
+                       defer=self.can_defer and not engine.scaler.enabled and engine.stream is None)
         else:
             enqueued = threading.Event()
             gil_bound = any(self.engines[n].holds_gil for n in working)
@@ -1465,10 +1481,16 @@ class HeteroStep:
             else:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if out['found_inf'] is not None:  # now, with the update enqueued, the host reads what it deferred
+        for r in out['results'].values():  # the sums are in p.grad or freed: not held into the next step
+            r.pop('grads', None)
+        if out['found_inf'] is not None:  # now, with the update queued, the host reads what it deferred
             (name, r), = out['results'].items()
-            r['finite'], r['loss'] = bool(r['finite']), float(r['loss'])
-            r['seconds'] = time.perf_counter() - r['t0']  # to the end of the update
+            host, done = r.pop('pending')
+            if done is not None:
+                done.synchronize()  # the backward and the check, not the update behind them
+            r['seconds'] = time.perf_counter() - r['t0']
+            loss, finite = host.tolist()
+            r['finite'], r['loss'] = finite == 1.0, loss
             out['found_inf'] = None
             if r['finite']:
                 out['loss'] = r['loss'] / r['n']

@@ -7,14 +7,17 @@
 # each run is bound by kernel launches, not by the GPU (so their time axes are not a speed
 # measurement). Each process stops after LIMIT seconds; the runs' metrics come back as one
 # tar file (no checkpoints); `python compare.py` with the same flags, --out_dir and the seeds
-# that finished re-reads them and prints the table.
+# that finished re-reads them and prints the table (each process writes its own table, of its
+# seeds only, to the same summary.json: the re-read is the one of all the seeds). Each group
+# needs 2 seeds or more; --max_iters stays 200 (the count of finished runs below reads it).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -c "import tqdm" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 DIR=${DIR:-out/compare_h200}
 mkdir -p "$DIR"
-NGPU=$(nvidia-smi -L | wc -l)
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+[[ $NGPU -ge 1 ]] || NGPU=1
 k=0
 for seeds in ${SEED_GROUPS:-1-3 4-6}; do
   CUDA_VISIBLE_DEVICES=$((k % NGPU)) timeout ${LIMIT:-400} python3 compare.py --dataset shakespeare --seeds $seeds \

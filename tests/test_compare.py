@@ -165,6 +165,9 @@ def test_interrupted_comparison_resumes(data_dir, tmp_path, capsys, ctrl_c):
     assert 'resumed from' in capsys.readouterr().out
     # --drop_checkpoints: finished runs keep their metrics, not their checkpoints
     assert not list((tmp_path / 'b').glob('*/ckpt.pt')) and len(list((tmp_path / 'a').glob('*/ckpt.pt'))) == 6
+    compare.main(tiny(data_dir, tmp_path / 'a', '--drop_checkpoints'))  # reused runs drop theirs too
+    assert capsys.readouterr().out.count('finished run found, reused') == 6
+    assert not list((tmp_path / 'a').glob('*/ckpt.pt'))
     for m in ('gpu', 'ane', 'hetero'):
         assert resumed['modes'][m]['final_val_ppl'] == pytest.approx(straight['modes'][m]['final_val_ppl'], rel=1e-9)
 

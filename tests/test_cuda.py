@@ -113,3 +113,33 @@ def test_fused_attention_kernels_on_cuda(dtype):
             assert close(got, ref, 1e-4), k
         else:
             assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) >= 0.999, k
+
+
+@cuda
+def test_deferred_check_on_cuda():
+    # GPU-only on CUDA with fused AdamW: the loss and the finiteness flag come back through
+    # pinned memory after the update is queued. A finite step updates exactly as the host
+    # check does (same kernels, same data: bit for bit); an overflowing one is skipped on
+    # the device and counted, its AdamW step count not advanced.
+    dev = torch.device('cuda')
+    got = []
+    for defer in (True, False):
+        model, mbs = model_and_batches(dev, 2)
+        step = hg.HeteroStep(model, {'gpu': hg.AutogradEngine(model, dev, torch.float32)}, hg.Split(2, '0'),
+                             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+        step.can_defer = defer
+        out = step(mbs)
+        assert torch.is_tensor(out['found_inf']) == defer
+        out = step.update(out, grad_clip=1.0)
+        assert out['used'] == ['gpu'] and isinstance(out['loss'], float) and out['loss'] > 0
+        got.append((out['loss'], [p.detach().clone() for p in model.parameters()]))
+    assert got[0][0] == got[1][0] and all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))
+    before = [p.detach().clone() for p in model.parameters()]
+    step.can_defer = True
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float('inf')  # the forward overflows
+    before[list(dict(model.named_parameters())).index('transformer.h.0.mlp.c_fc.weight')][0, 0] = float('inf')
+    out = step.update(step(mbs), grad_clip=1.0)
+    assert out['used'] == [] and step.skipped == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(s['step'].item() == 1 for s in step.optimizer.state.values())
