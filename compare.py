@@ -37,6 +37,7 @@ import hetero_gpt as hg
 
 MODES = ('gpu', 'ane', 'hetero')
 OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume', 'bench')  # compare.py sets or forbids these
+RENAMED = {'fused_attention': 'fused_kernels'}  # a setting's old name: its new one
 UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_package', 'device', 'bench_iters',
              'bench_repeats')  # may differ when a run is reused
 # (device too: finished runs made on a GPU machine can be summarized on another one)
@@ -196,7 +197,8 @@ def run_one(flags, mode, seed, out_dir, drop_checkpoint=False):
     if os.path.exists(saved_path):
         with open(saved_path) as f:
             # settings added since that run was made take their defaults (they did not exist then)
-            saved = {k: v for k, v in (dataclasses.asdict(hg.Config()) | json.load(f)).items() if k not in UNCHECKED}
+            old = {RENAMED.get(k, k): v for k, v in json.load(f).items()}
+            saved = {k: v for k, v in (dataclasses.asdict(hg.Config()) | old).items() if k not in UNCHECKED}
     if (os.path.exists(metrics) or os.path.exists(ckpt)) and saved != settings:
         diff = ', '.join(f'{k}: {(saved or {}).get(k)} there, {v} now' for k, v in settings.items()
                          if (saved or {}).get(k) != v)

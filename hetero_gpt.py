@@ -83,8 +83,8 @@ class Config:
     loss_scale: float = opt(1024.0, "initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
     scale_window: int = opt(200, "finite steps before the fp16 loss scale grows")
     compile: bool = opt(False, "torch.compile the GPU engine's model and the eager engine's derivation")
-    fused_attention: bool = opt(False, "off macOS, the eager engine's attention by fused kernels (faster; "
-                                       "fp32 softmax statistics, where the ANE's are fp16)")
+    fused_kernels: bool = opt(False, "off macOS, the eager engine's attention, layernorm and GELU by PyTorch's "
+                                     "fused kernels (faster; fp32 statistics inside, where the ANE's are fp16)")
     # evaluation, logging, checkpoints
     eval_interval: int = opt(100, "evaluate validation loss and save a checkpoint every this many steps")
     eval_iters: int = opt(20, "validation batches per evaluation (0: the full validation split)")
@@ -297,9 +297,13 @@ class TorchOps:
     # per context position in fp32), so this backend recomputes them in the backward.
     recompute_attention = True
 
-    def __init__(self, dtype, device, compile=False, fused_attention=False):
+    def __init__(self, dtype, device, compile=False, fused_kernels=False):
         self.dtype, self.device, self.compile = dtype, torch.device(device), compile
-        self.fused_attention = fused_attention
+        self.fused_kernels = fused_kernels
+        # --fused_kernels: layernorm, GELU and the linear layers' bias add by PyTorch's own
+        # fused kernels (one or two passes over memory each, where the ops written out
+        # below make ten or more), called by hand like every piece here; and attention, below
+        self.fuses_pointwise = fused_kernels
 
     def fused(self, fn):
         # Eager, every op above is one kernel that reads and writes memory: a layernorm is
@@ -353,7 +357,7 @@ class TorchOps:
         """Asked for, and a case the kernels take: the CPU; or CUDA with head_dim a multiple
         of 8, in fp32 (memory-efficient kernels) or fp16/bf16 on sm80+ (flash). Elsewhere
         (fp64 on CUDA, MPS, older GPUs) the derivation's own ops run."""
-        if not self.fused_attention or self.device.type not in ('cpu', 'cuda'):
+        if not self.fused_kernels or self.device.type not in ('cpu', 'cuda'):
             return False
         if self.device.type == 'cpu':
             return True
@@ -383,6 +387,29 @@ class TorchOps:
         return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dy, q, k, v, None, y, lse, seed, offset, 0.0, [True, True, True, False], True)[:3]
 
+    # The fused pointwise pieces (fuses_pointwise), each the math of its written-out twin
+    # below: layernorm_forward/backward, gelu_forward/backward, linear_forward.
+    def layernorm(self, x, w, b, eps):
+        """(y, mean, rstd); mean and rstd per row, for layernorm_grad."""
+        return torch.ops.aten.native_layer_norm(x, [x.shape[-1]], w, b, eps)
+
+    def layernorm_grad(self, dy, x, w, b, mean, rstd):
+        """(dx, dw, db); db None without a bias (b None)."""
+        return torch.ops.aten.native_layer_norm_backward(dy, x, [x.shape[-1]], mean, rstd, w, b,
+                                                         [True, True, b is not None])
+
+    def gelu(self, x):
+        return torch.ops.aten.gelu(x, approximate='tanh')
+
+    def gelu_grad(self, dy, x):
+        return torch.ops.aten.gelu_backward(dy, x, approximate='tanh')
+
+    def linear(self, x, w, b):
+        """x W^T + b with the bias added in the matmul's epilogue (one pass fewer)."""
+        if self.dtype == torch.float16 and self.device.type == 'cpu':  # as matmul: no fp16 GEMM on CPUs
+            return F.linear(x.float(), w.float(), b.float()).half()
+        return F.linear(x, w, b)
+
     def causal_mask(self, T):
         # additive mask: 0 on and below the diagonal, -1e4 above. -1e4 (not -inf) because
         # fp16 tops out at 65504 and -inf - -inf = nan; exp(-1e4) is exactly 0 in any dtype.
@@ -397,6 +424,8 @@ class TorchOps:
 
 # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin) as in nn.Linear
 def linear_forward(o, x, w, b):  # b None: no bias (bias=False)
+    if b is not None and o.fuses_pointwise:  # the same, the add inside the matmul (TorchOps.linear)
+        return o.linear(x, w, b)
     y = o.matmul(x, w, tb=True)
     return y if b is None else y + b
 
@@ -408,6 +437,9 @@ def linear_backward(o, dy, x, w):
 
 # ---- layernorm over the last axis: y = xhat * w + b, xhat = (x - mean) * rstd
 def layernorm_forward(o, x, w, b, eps=1e-5):
+    if o.fuses_pointwise:  # the same y by one fused kernel (TorchOps.layernorm)
+        y, mean, rstd = o.layernorm(x, w, b, eps)
+        return y, (x, b, mean, rstd)
     xc = x - o.mean(x, -1)
     rstd = o.rsqrt(o.mean(xc * xc, -1) + eps)  # 1/sqrt(var + eps)
     xhat = xc * rstd
@@ -417,6 +449,8 @@ def layernorm_forward(o, x, w, b, eps=1e-5):
 def layernorm_backward(o, dy, w, cache):
     # with g = dy*w: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     # dw = sum over rows of dy*xhat, db = sum over rows of dy
+    if o.fuses_pointwise:
+        return o.layernorm_grad(dy, cache[0], w, *cache[1:])
     xhat, rstd = cache
     g = dy * w
     dx = (g - o.mean(g, -1) - xhat * o.mean(g * xhat, -1)) * rstd
@@ -429,18 +463,22 @@ GELU_K = math.sqrt(2.0 / math.pi)
 
 def gelu_forward(o, x):
     # y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3)
+    if o.fuses_pointwise:  # the same y by one fused kernel (TorchOps.gelu); the cache is x alone
+        return o.gelu(x), (x, None)
     t = o.tanh((x + 0.044715 * x * x * x) * GELU_K)
-    return gelu_output((x, t)), (x, t)
+    return gelu_output(o, (x, t)), (x, t)
 
 
-def gelu_output(cache):
+def gelu_output(o, cache):
     x, t = cache
-    return 0.5 * x * (1.0 + t)
+    return o.gelu(x) if t is None else 0.5 * x * (1.0 + t)
 
 
 def gelu_backward(o, dy, cache):
     # dy/dx = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3 * 0.044715 x^2)
     x, t = cache
+    if t is None:
+        return o.gelu_grad(dy, x)
     return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 0.134145 * x * x))
 
 
@@ -512,14 +550,14 @@ def block_forward(o, x, p, B, T, H):
     h = linear_forward(o, m, p['wfc'], p.get('bfc'))
     g, gelu = gelu_forward(o, h)
     x = x + linear_forward(o, g, p['wpr'], p.get('bpr'))
-    return x, (a, ln1, y, att, m, ln2, gelu)  # not g: gelu_output(gelu) remakes it
+    return x, (a, ln1, y, att, m, ln2, gelu)  # not g: gelu_output remakes it
 
 
 def block_backward(o, dx, p, cache, B, T, H):
     # the forward's calls in reverse; a residual add passes dx through unchanged
     a, ln1, y, att, m, ln2, gelu = cache
     d = {}
-    dg, d['wpr'], d['bpr'] = linear_backward(o, dx, gelu_output(gelu), p['wpr'])
+    dg, d['wpr'], d['bpr'] = linear_backward(o, dx, gelu_output(o, gelu), p['wpr'])
     dh = gelu_backward(o, dg, gelu)
     dm, d['wfc'], d['bfc'] = linear_backward(o, dh, m, p['wfc'])
     dmx, d['ln2_w'], d['ln2_b'] = layernorm_backward(o, dm, p['ln2_w'], ln2)
@@ -743,7 +781,7 @@ def check_batch(cfg, idx, targets):
 
 
 def manual_loss_and_grads(params, idx, targets, *, dtype=torch.float32, device=None,
-                          loss_scale=1.0, n_head=None, fused_attention=False):
+                          loss_scale=1.0, n_head=None, fused_kernels=False):
     """Loss and gradients of GPT-2 by the hand derivation, run eagerly by PyTorch.
     params: {name: tensor} as GPT.named_parameters(). Returns (loss, grads): the mean
     cross-entropy (0-dim tensor) and {name: gradient}, unscaled, in `dtype` (fp16 runs
@@ -754,7 +792,7 @@ def manual_loss_and_grads(params, idx, targets, *, dtype=torch.float32, device=N
     device = torch.device(device) if device is not None else params['transformer.wte.weight'].device
     w = {k: v.detach().to(device=device, dtype=dtype) for k, v in params.items()}
     return eager_loss_and_grads(cfg, w, idx.to(device), targets.to(device), dtype, device, loss_scale,
-                                fused_attention=fused_attention)
+                                fused_kernels=fused_kernels)
 
 
 def all_finite(grads):
@@ -767,9 +805,9 @@ def grads_finite(grads):
     return bool(all_finite(grads))
 
 
-def eager_loss_and_grads(cfg, w, idx, targets, dtype, device, loss_scale, compile=False, fused_attention=False):
+def eager_loss_and_grads(cfg, w, idx, targets, dtype, device, loss_scale, compile=False, fused_kernels=False):
     """manual_loss_and_grads without the checks: weights `w` already in `dtype` on `device`."""
-    o = TorchOps(dtype, device, compile, fused_attention)
+    o = TorchOps(dtype, device, compile, fused_kernels)
     with torch.no_grad():
         loss, g = dense_step(o, cfg, idx.shape[0], idx.shape[1], host_inputs(w, cfg, idx, targets, loss_scale))
         out_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -815,7 +853,9 @@ class MILOps:
     """MIL backend of the derivation: every op is one the ANE runs (ANE_NOTES)."""
     recompute_attention = False  # a graph compiler plans its own memory: keep P, skip the recompute
 
-    def fuses_attention(self, head_dim):  # the program spells attention out in the derivation's ops
+    fuses_pointwise = False  # the program spells every piece out in the derivation's ops
+
+    def fuses_attention(self, head_dim):
         return False
 
     def __init__(self):
@@ -1128,9 +1168,9 @@ class AutogradEngine:
 class EagerEngine:
     name, holds_gil = 'ane', False
 
-    def __init__(self, cfg, device, dtype, scaler, compile=False, graph_shape=None, fused_attention=False):
+    def __init__(self, cfg, device, dtype, scaler, compile=False, graph_shape=None, fused_kernels=False):
         self.cfg, self.device, self.dtype, self.scaler, self.compile = cfg, device, dtype, scaler, compile
-        self.fused_attention = fused_attention
+        self.fused_kernels = fused_kernels
         self.w, self.staging, self.stream = None, None, engine_stream(device)
         # On CUDA the whole step (B, T = graph_shape) is captured once as a CUDA graph and
         # replayed for every microbatch: one launch where eager PyTorch makes ~100 per
@@ -1141,7 +1181,7 @@ class EagerEngine:
         self.graph_shape = graph_shape if device.type == 'cuda' and not compile else None
         self.graph = None
         self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')}" + \
-                     (", CUDA graph" if self.graph_shape else "") + (", fused attention)" if fused_attention else ")")
+                     (", CUDA graph" if self.graph_shape else "") + (", fused kernels)" if fused_kernels else ")")
 
     @torch.no_grad()
     def load_weights(self, params):
@@ -1177,7 +1217,7 @@ class EagerEngine:
         self.g_tgt = torch.zeros_like(self.g_idx)
         self.g_scale = torch.ones((), dtype=torch.float32, device=self.device)
         run = lambda: eager_loss_and_grads(self.cfg, self.w, self.g_idx, self.g_tgt, self.dtype, self.device,
-                                           self.g_scale, fused_attention=self.fused_attention)
+                                           self.g_scale, fused_kernels=self.fused_kernels)
         with on_stream(self.stream):
             run()  # once outside the capture: cuBLAS picks its kernels and workspaces
         self.graph = torch.cuda.CUDAGraph()
@@ -1191,7 +1231,7 @@ class EagerEngine:
             if self.graph is None or tuple(idx.shape) != self.graph_shape:
                 return eager_loss_and_grads(self.cfg, self.w, idx.to(self.device), targets.to(self.device),
                                             self.dtype, self.device, self.scaler.scale, self.compile,
-                                            self.fused_attention)
+                                            self.fused_kernels)
             self.g_idx.copy_(idx)
             self.g_tgt.copy_(targets)
             self.g_scale.fill_(self.scaler.scale)
@@ -1747,7 +1787,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
             ane_dev = device if cfg.ane_device == 'auto' else resolve_device(cfg.ane_device)
             engines['ane'] = EagerEngine(model.config, ane_dev, resolve_dtype(cfg.ane_dtype, ane_dev), scaler,
                                          cfg.compile, graph_shape=(cfg.batch_size, cfg.block_size),
-                                         fused_attention=cfg.fused_attention)
+                                         fused_kernels=cfg.fused_kernels)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
                 # the CPU engine would take every core; leave one to the thread that feeds the
                 # GPU, whose kernel launches would otherwise wait behind the CPU's math

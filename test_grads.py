@@ -81,10 +81,10 @@ def rows_pass(rows, dtype):
 
 # ---- each piece against autograd (fp64, random inputs, a random upstream gradient)
 
-def check_piece(forward, backward, reference, inputs, fused_attention=False):
+def check_piece(forward, backward, reference, inputs, fused_kernels=False):
     """forward(o, *inputs) -> (y, cache); backward(o, dy, cache, *inputs) -> grads of
     inputs; reference(*inputs) -> y computed by PyTorch's own ops, differentiated by autograd."""
-    o = TorchOps(torch.float64, 'cpu', fused_attention=fused_attention)
+    o = TorchOps(torch.float64, 'cpu', fused_kernels=fused_kernels)
     xs = [t.clone().requires_grad_(True) for t in inputs]
     y_ref = reference(*xs)
     dy = torch.randn_like(y_ref)
@@ -97,23 +97,35 @@ def check_piece(forward, backward, reference, inputs, fused_attention=False):
     return max(errs)
 
 
-def test_linear():
+# fused: the same piece by PyTorch's fused kernels (--fused_kernels), at the same bound
+
+@pytest.mark.parametrize('fused', [False, True], ids=['ops', 'fused'])
+def test_linear(fused):
     x, w, b = torch.randn(10, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
     check_piece(lambda o, x, w, b: (linear_forward(o, x, w, b), None),
-                lambda o, dy, _, x, w, b: linear_backward(o, dy, x, w), F.linear, [x, w, b])
+                lambda o, dy, _, x, w, b: linear_backward(o, dy, x, w), F.linear, [x, w, b], fused)
 
 
-def test_layernorm():
+@pytest.mark.parametrize('fused', [False, True], ids=['ops', 'fused'])
+@pytest.mark.parametrize('bias', [True, False], ids=['bias', 'no bias'])
+def test_layernorm(fused, bias):
     x = torch.randn(10, 6, dtype=torch.float64) * 3 + 1
     w, b = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
-    check_piece(layernorm_forward, lambda o, dy, cache, x, w, b: layernorm_backward(o, dy, w, cache),
-                lambda x, w, b: F.layer_norm(x, (6,), w, b), [x, w, b])
+    if bias:
+        check_piece(layernorm_forward, lambda o, dy, cache, x, w, b: layernorm_backward(o, dy, w, cache),
+                    lambda x, w, b: F.layer_norm(x, (6,), w, b), [x, w, b], fused)
+    else:  # bias=False: no b, and no db to return
+        check_piece(lambda o, x, w: layernorm_forward(o, x, w, None),
+                    lambda o, dy, cache, x, w: layernorm_backward(o, dy, w, cache)[:2],
+                    lambda x, w: F.layer_norm(x, (6,), w), [x, w], fused)
 
 
-def test_gelu():
+@pytest.mark.parametrize('fused', [False, True], ids=['ops', 'fused'])
+def test_gelu(fused):
     x = torch.randn(10, 6, dtype=torch.float64) * 3
-    check_piece(gelu_forward, lambda o, dy, cache, x: (gelu_backward(o, dy, cache),),
-                lambda x: F.gelu(x, approximate='tanh'), [x])
+    check_piece(gelu_forward,
+                lambda o, dy, cache, x: (gelu_backward(o, dy, cache),),
+                lambda x: F.gelu(x, approximate='tanh'), [x], fused)
 
 
 @pytest.mark.parametrize('fused', [False, True], ids=['derivation', 'fused kernels'])
@@ -188,15 +200,16 @@ def test_compiled_derivation_matches_autograd():
     assert worst[0] <= TOL[torch.float32], worst
 
 
+@pytest.mark.parametrize('case', [CONFIGS[0], CONFIGS[2]], ids=[IDS[0], IDS[2]])
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32, torch.float16])
-def test_fused_attention_model_grads(dtype):
-    # --fused_attention: the same step with attention by PyTorch's fused kernel pair, every
-    # gradient against fp64 autograd at the same bounds as the derivation's own ops
-    case = CONFIGS[0]
+def test_fused_kernels_model_grads(dtype, case):
+    # --fused_kernels: the same step with attention, layernorm, GELU and the bias adds by
+    # PyTorch's fused kernels, every gradient against fp64 autograd at the same bounds as
+    # the derivation's own ops (with biases, and without: bias=False)
     params, idx, targets, ref_loss, ref = autograd_reference(case['cfg'], case['B'], case['T'])
     scale = 1024.0 if dtype == torch.float16 else 1.0
     loss, grads = manual_loss_and_grads(params, idx, targets, dtype=dtype, device='cpu', loss_scale=scale,
-                                        fused_attention=True)
+                                        fused_kernels=True)
     assert abs(loss.item() - ref_loss) / ref_loss < (1e-2 if dtype == torch.float16 else TOL[dtype])
     for k in ref:
         assert torch.isfinite(grads[k]).all(), k
@@ -282,11 +295,15 @@ def main():
             print(f"{'tensor':40} {'max abs diff':>13} {'rel diff':>10} {'cosine':>12}")
             for name, d, rel, cos, fin in rows:
                 print(f"{name:40} {d:13.3e} {rel:10.2e} {cos:12.9f}" + ('' if fin else '  NON-FINITE'))
-    pieces = {'linear': test_linear, 'layernorm': test_layernorm, 'gelu': test_gelu,
+    pieces = {'linear': lambda: test_linear(False), 'layernorm': lambda: test_layernorm(False, True),
+              'layernorm, no bias': lambda: test_layernorm(False, False), 'gelu': lambda: test_gelu(False),
               'attention': lambda: test_attention(2, 5, 3, False),
-              'attention, fused kernels': lambda: test_attention(2, 5, 3, fused=True),
-              'whole model, fused attention': lambda: [test_fused_attention_model_grads(d) for d in
-                                                       (torch.float64, torch.float32, torch.float16)],
+              'linear, layernorm, gelu, attention, fused kernels': lambda: [
+                  test_linear(True), test_layernorm(True, True), test_layernorm(True, False), test_gelu(True),
+                  test_attention(2, 5, 3, fused=True)],
+              'whole model, fused kernels': lambda: [test_fused_kernels_model_grads(d, c) for d in
+                                                     (torch.float64, torch.float32, torch.float16)
+                                                     for c in (CONFIGS[0], CONFIGS[2])],
               'lm_head': lambda: test_lm_head_loss(0),
               'lm_head, padded chunk': lambda: test_lm_head_loss(5), 'vocab_chunks': test_vocab_chunks,
               'compiled derivation': test_compiled_derivation_matches_autograd,

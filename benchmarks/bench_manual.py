@@ -8,7 +8,7 @@ GPT-2 124M, batch 12 x 1024 by default; 3 warm-up and 10 timed steps each, media
 Eager rows for fp32, bf16 and fp16; then, for --compiled dtypes, both sides under
 torch.compile (autograd: the compiled model; manual: the derivation's pieces compiled by
 TorchOps.fused, as `--compile` does for the eager engine).
-Then rows with --fused_attention and with the step replayed as a CUDA graph (as the hetero
+Then rows with --fused_kernels and with the step replayed as a CUDA graph (as the hetero
 engine runs it). Peak memory is what one step allocates above the weights (torch.cuda.max_memory_allocated
 after reset, minus what was allocated before the step).
 """
@@ -86,7 +86,7 @@ def graphed(dtype, scale, fused):
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     eng = hg.EagerEngine(cfg, device, dtype, hg.LossScaler(scale, 10**9), graph_shape=(a.batch_size, a.block_size),
-                         fused_attention=fused)
+                         fused_kernels=fused)
     eng.load_weights(params)
     torch.cuda.synchronize()
     fn = lambda: eng.loss_and_grads(x, y)[1]
@@ -99,14 +99,14 @@ names = {torch.float32: 'fp32 (TF32 matmuls)', torch.bfloat16: 'bf16 (autograd: 
 scales = {torch.float32: 1.0, torch.bfloat16: 1.0, torch.float16: 1024.0}
 # each row: (name, make autograd's step, make the manual step), made when the row is measured
 rows = [(name, lambda d=d: autograd(d), lambda d=d: manual(d, scales[d])) for d, name in names.items()]
-for fused in (False, True):  # compiled, with the attention spelled out or by the fused kernel pair
-    rows += [(names[d] + ', both compiled' + (', manual: fused attention' if fused else ''),
+for fused in (False, True):  # compiled, with every piece spelled out or by PyTorch's fused kernels
+    rows += [(names[d] + ', both compiled' + (', manual: fused kernels' if fused else ''),
               lambda d=d: autograd(d, True), lambda d=d, f=fused: manual(d, scales[d], True, f))
              for d in (getattr(torch, n) for n in a.compiled.split(',') if n)]
-# --fused_attention (the attention piece by PyTorch's fused kernel pair), eager and as the
+# --fused_kernels (attention, layernorm, GELU, bias adds by PyTorch's fused kernels), eager and as the
 # CUDA graph the hetero engine replays; autograd eager beside each
-for tag, make in ((', manual: fused attention', lambda d: manual(d, scales[d], fused=True)),
-                  (', manual: fused attention + CUDA graph', lambda d: graphed(d, scales[d], True)),
+for tag, make in ((', manual: fused kernels', lambda d: manual(d, scales[d], fused=True)),
+                  (', manual: fused kernels + CUDA graph', lambda d: graphed(d, scales[d], True)),
                   (', manual: CUDA graph', lambda d: graphed(d, scales[d], False))):
     rows += [(names[d] + tag, lambda d=d: autograd(d), lambda d=d, make=make: make(d)) for d in names]
 print(f"GPT-2 {sum(q.numel() for q in params.values()) / 1e6:.1f}M, batch {a.batch_size} x {a.block_size}, "

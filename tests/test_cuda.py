@@ -40,7 +40,7 @@ def test_loss_scale_as_a_tensor_matches_the_number(device):
 
 
 @cuda
-@pytest.mark.parametrize('fused', [False, True], ids=['derivation', 'fused attention'])
+@pytest.mark.parametrize('fused', [False, True], ids=['derivation', 'fused kernels'])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
 def test_cuda_graph_replays_the_eager_step(dtype, fused):
     # the engine's graph against the eager derivation on the same weights and batch, for
@@ -51,7 +51,7 @@ def test_cuda_graph_replays_the_eager_step(dtype, fused):
     dev = torch.device('cuda')
     model, mbs = model_and_batches(dev, 2)
     eng = hg.EagerEngine(CFG, dev, dtype, hg.LossScaler(8.0, 1000), graph_shape=(2, CFG.block_size),
-                         fused_attention=fused)
+                         fused_kernels=fused)
     params = dict(model.named_parameters())
     rel = 1e-5 if dtype == torch.float32 else 1e-2
     for step, scale in enumerate((8.0, 64.0)):
@@ -61,7 +61,7 @@ def test_cuda_graph_replays_the_eager_step(dtype, fused):
         outs = [eng.loss_and_grads(x, y) for x, y in mbs]  # the caller's own: the 2nd replay leaves the 1st
         for (x, y), (l, g) in zip(mbs, outs):
             ref_l, ref_g = hg.manual_loss_and_grads(params, x, y, dtype=dtype, device=dev, loss_scale=scale,
-                                                    fused_attention=fused)
+                                                    fused_kernels=fused)
             assert close(l, ref_l, rel), (step, l, ref_l)
             for k in ref_g:
                 assert close(g[k], ref_g[k], rel), (step, k)
@@ -94,9 +94,10 @@ def test_engine_on_a_second_gpu_gives_the_one_gpu_step():
 
 @cuda
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_attention_kernels_on_cuda(dtype):
-    # the CUDA kernel pairs (flash attention in fp16/bf16, memory-efficient in fp32) inside
-    # the whole step, against fp64 autograd on the CPU: fp32 to its bound of test_grads.py
+def test_fused_kernels_on_cuda(dtype):
+    # the CUDA kernels (flash attention in fp16/bf16, memory-efficient in fp32; layernorm,
+    # GELU, the bias add in the matmul) inside the whole step, against fp64 autograd on the
+    # CPU: fp32 to its bound of test_grads.py
     # (1e-4 relative), fp16/bf16 by cosine >= 0.999 per tensor as the fp16 test there
     model, [(x, y)] = model_and_batches('cpu', 1)
     model = model.double()
@@ -104,7 +105,7 @@ def test_fused_attention_kernels_on_cuda(dtype):
     loss.backward()
     params = {k: p.detach() for k, p in model.named_parameters()}
     scale = 1024.0 if dtype == torch.float16 else 1.0
-    l, g = hg.manual_loss_and_grads(params, x, y, dtype=dtype, device='cuda', loss_scale=scale, fused_attention=True)
+    l, g = hg.manual_loss_and_grads(params, x, y, dtype=dtype, device='cuda', loss_scale=scale, fused_kernels=True)
     assert abs(l.item() - loss.item()) < 1e-2 * loss.item()
     for k, p in model.named_parameters():
         ref, got = p.grad, g[k].double().cpu()
