@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 ON_MAC = sys.platform == 'darwin'
 ANE_MAX_DIM = 16384  # the ANE rejects tensors with any dimension above ~16384 (ANE_NOTES)
@@ -276,6 +277,10 @@ _KNOWN_CONFIGS = set()  # configs of every GPT built in this process (to infer n
 #   o.softmax, o.reshape, o.transpose, o.causal_mask, o.pad_mask;
 # and o.fused(fn), which may hand back a compiled version of a piece of the derivation.
 # TorchOps runs the calls eagerly; MILOps (section 4) records them as a Core ML program.
+# With --fused_kernels, TorchOps runs some whole pieces (attention, layernorm, GELU, a
+# linear layer's bias add, log-sum-exp) by PyTorch's own fused kernels instead, called
+# by hand (o.attention_kernel, o.fuses_pointwise): the same math in fewer passes over
+# memory, each tested against its written-out twin's autograd reference.
 # Every op here exists in MIL and runs on the ANE: no gather, scatter, one_hot, concat,
 # or split. The sparse work (embedding lookup, picking each target's row, scatter-adding
 # their gradients) is done by the host around the dense program (host_inputs/host_grads).
@@ -350,43 +355,52 @@ class TorchOps:
         return x.permute(perm)
 
     # Fused causal attention: y = softmax(q k^T / sqrt(D) + mask) v and its backward, the
-    # math of attention_forward/attention_backward below, by PyTorch's fused kernel pair
-    # (flash attention; on CUDA in fp32, the memory-efficient kernels). They never build
+    # math of attention_forward/attention_backward below, by the fused kernel pair that
+    # PyTorch's own scaled_dot_product_attention would pick for these tensors (on an H100/H200
+    # in bf16/fp16: cuDNN's; elsewhere flash or memory-efficient attention). They never build
     # the (B, H, T, T) matrix P: the forward keeps each row's log-sum-exp, the backward
     # rebuilds P tile by tile from it. No autograd: both kernels are called by hand, as
     # every piece of the derivation is. Off by default: the fp16 stand-in for the ANE
     # should do attention in fp16 as the Core ML program does, and these kernels keep
     # fp32 softmax statistics inside.
-    def fuses_attention(self, head_dim):
-        """Asked for, and a case the kernels take: the CPU; or CUDA with head_dim a multiple
-        of 8, in fp32 (memory-efficient kernels) or fp16/bf16 on sm80+ (flash). Elsewhere
-        (fp64 on CUDA, MPS, older GPUs) the derivation's own ops run."""
-        if not self.fused_kernels or self.device.type not in ('cpu', 'cuda'):
-            return False
-        if self.device.type == 'cpu':
-            return True
-        return head_dim % 8 == 0 and (self.dtype == torch.float32 or (
-            self.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(self.device) >= (8, 0)))
+    KERNELS = {SDPBackend.FLASH_ATTENTION.value: 'flash', SDPBackend.EFFICIENT_ATTENTION.value: 'efficient',
+               SDPBackend.CUDNN_ATTENTION.value: 'cudnn'}
 
-    def attention(self, q, k, v):
+    def attention_kernel(self, q, k, v):
+        """'flash', 'efficient' or 'cudnn': the kernel scaled_dot_product_attention's own
+        dispatcher chooses for causal attention on q, k, v; None where fused kernels are
+        off or it would fall back to plain ops (fp64 on CUDA, MPS): then the derivation's
+        own ops run."""
+        if not self.fused_kernels or self.device.type not in ('cpu', 'cuda'):
+            return None
+        return self.KERNELS.get(torch._fused_sdp_choice(q, k, v, None, 0.0, True))
+
+    def attention(self, kernel, q, k, v):
         """(y, saved): y (B, H, T, D), and what attention_grad needs besides q, k, v, y."""
-        if self.device.type == 'cpu':
+        if self.device.type == 'cpu':  # the CPU has one fused kernel, 'flash'
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
-        if self.dtype in (torch.float16, torch.bfloat16):
+        if kernel == 'flash':
             out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
             return out[0], out[1:8]  # log-sum-exp, sequence bookkeeping, RNG state (unused: no dropout)
+        if kernel == 'cudnn':
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True)
+            return out[0], out[1:8]
         out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
         return out[0], out[1:4]
 
-    def attention_grad(self, dy, q, k, v, y, saved):
+    def attention_grad(self, kernel, dy, q, k, v, y, saved):
         """(dq, dk, dv) for upstream dy, from the forward's q, k, v, y and saved."""
         if self.device.type == 'cpu':
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dy, q, k, v, y, saved, 0.0, True)
-        if self.dtype in (torch.float16, torch.bfloat16):
+        if kernel == 'flash':
             lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
             return torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 dy, q, k, v, y, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset)
+        if kernel == 'cudnn':  # dy as it comes: a (B, T, C) view, in y's own memory layout
+            lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dy, q, k, v, y, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True)
         lse, seed, offset = saved
         return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dy, q, k, v, None, y, lse, seed, offset, 0.0, [True, True, True, False], True)[:3]
@@ -420,10 +434,23 @@ class TorchOps:
         return torch.full((T, T), -1e4, dtype=self.dtype, device=self.device).triu(1)
 
     def pad_mask(self, n, valid):
-        # additive (1, n) mask: 0 on the first `valid` columns, -1e4 on the rest
-        mask = torch.zeros((1, n), dtype=self.dtype, device=self.device)
-        mask[:, valid:] = -1e4
+        # additive (n,) mask, a bias: 0 on the first `valid` columns, -1e4 on the rest
+        mask = torch.zeros(n, dtype=self.dtype, device=self.device)
+        mask[valid:] = -1e4
         return mask
+
+    def logsumexp(self, z):
+        """logsumexp_forward by PyTorch's fused log-softmax kernel: one kernel, where the
+        written-out ops make four and six passes over memory. For any column v,
+        log softmax(z)_v = z_v - lse, so lse = z_0 - log softmax(z)_0. The kernel works
+        in fp32; for fp16/bf16 it also writes fp32 (half_to_float on CUDA; the CPU upcasts
+        first), so that difference is exact to fp32, not to the ~0.06 of a bf16 number
+        near 10. Returned in z's dtype, as the written-out twin's."""
+        if z.dtype in (torch.float16, torch.bfloat16):
+            ls = torch._log_softmax(z, -1, True) if z.is_cuda else torch._log_softmax(z.float(), -1, False)
+        else:
+            ls = torch._log_softmax(z, -1, False)
+        return (z[:, :1].to(ls.dtype) - ls[:, :1]).to(z.dtype)
 
 
 # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin) as in nn.Linear
@@ -503,9 +530,10 @@ def attention_probs(o, q, k, T):
 def attention_forward(o, q, k, v, B, T, H):
     # y = P v
     q, k, v = heads(o, q, B, T, H), heads(o, k, B, T, H), heads(o, v, B, T, H)
-    if o.fuses_attention(q.shape[-1]):  # the same y by a fused kernel, P never stored (TorchOps.attention)
-        y, saved = o.attention(q, k, v)
-        return merge_heads(o, y, B, T), (q, k, v, y, saved)
+    kernel = o.attention_kernel(q, k, v)
+    if kernel:  # the same y by a fused kernel, P never stored (TorchOps.attention)
+        y, saved = o.attention(kernel, q, k, v)
+        return merge_heads(o, y, B, T), (q, k, v, (kernel, y, saved))
     p = attention_probs(o, q, k, T)
     y = merge_heads(o, o.matmul(p, v), B, T)
     return y, (q, k, v, None if o.recompute_attention else p)
@@ -515,10 +543,10 @@ def attention_backward(o, dy, cache, B, T, H):
     # dv = P^T dy, dP = dy v^T, dS = P * (dP - rowsum(dP * P)) (softmax backward),
     # dq = dS k * scale, dk = dS^T q * scale. The mask is a constant: no gradient.
     dy = heads(o, dy, B, T, H)
-    if o.fuses_attention(cache[0].shape[-1]):  # cache[0] is q in either layout
-        dq, dk, dv = o.attention_grad(dy, *cache)
-        return merge_heads(o, dq, B, T), merge_heads(o, dk, B, T), merge_heads(o, dv, B, T)
     q, k, v, p = cache
+    if isinstance(p, tuple):  # a fused kernel's forward: (kernel, y, saved)
+        dq, dk, dv = o.attention_grad(p[0], dy, q, k, v, *p[1:])
+        return merge_heads(o, dq, B, T), merge_heads(o, dk, B, T), merge_heads(o, dv, B, T)
     T, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
     if p is None:
         p = attention_probs(o, q, k, T)
@@ -576,39 +604,51 @@ def block_backward(o, dx, p, cache, B, T, H):
     return dx + dax, {k: v for k, v in d.items() if k in p}  # no gradient for a bias that is not there
 
 
+# ---- log-sum-exp over the last axis: lse = m + log sum_v exp(z_v - m), m = max_v z_v
+# (subtracting the row max first: exp never overflows, and the largest term is exp(0) = 1)
+def logsumexp_forward(o, z):
+    if o.fuses_pointwise:  # the same (N, 1) by a fused softmax kernel (TorchOps.logsumexp)
+        return o.logsumexp(z)
+    m = o.max(z, -1)
+    return m + o.log(o.sum(o.exp(z - m), -1))
+
+
 # ---- tied LM head + mean cross-entropy, over vocabulary chunks of at most 16384 rows.
 # loss = mean_n (lse_n - z_n[target_n]), lse_n = log sum_v exp(z_nv), z = x W^T.
-# The vocabulary (50257) is wider than the ANE's 16384 limit, so W arrives in chunks and
-# the log-sum-exp is combined across chunks with a running max. The target logit is
-# x_n . W[target_n]: the host gathers those rows (wte_tgt) so the program has no gather.
+# The vocabulary (50257) is wider than the ANE's 16384 limit, so W arrives in chunks:
+# each chunk's own log-sum-exp lse_c, then lse = the log-sum-exp of the chunks' lse_c
+# (log sum_v exp(z_v) = log sum_c exp(lse_c)). The target logit is x_n . W[target_n]:
+# the host gathers those rows (wte_tgt) so the program has no gather.
 # The last chunk ends in `pad` zero rows (vocab_chunks aligns the chunks): their logits
-# get -1e4, so exp() makes them exactly 0 in the softmax and in every gradient.
+# get a -1e4 bias, so exp() makes them exactly 0 in the softmax and in every gradient.
 def lm_head_forward(o, x, chunks, w_tgt, N, pad=0):
-    z = [o.matmul(x, w, tb=True) for w in chunks]  # (N, Vc) each
-    if pad:
-        Vc = chunks[-1].shape[0]
-        z[-1] = z[-1] + o.pad_mask(Vc, Vc - pad)
-    m = o.max(z[0], -1)
-    for zc in z[1:]:
-        m = o.maximum(m, o.max(zc, -1))
+    Vc = chunks[-1].shape[0]
+    biases = [None] * (len(chunks) - 1) + [o.pad_mask(Vc, Vc - pad) if pad else None]
+    z = [linear_forward(o, x, w, b) for w, b in zip(chunks, biases)]  # (N, Vc) each
+    lse_c = [logsumexp_forward(o, zc) for zc in z]  # (N, 1) each
+    m = lse_c[0]
+    for lc in lse_c[1:]:
+        m = o.maximum(m, lc)
     s = None
-    for zc in z:
-        sc = o.sum(o.exp(zc - m), -1)
+    for lc in lse_c:
+        sc = o.exp(lc - m)
         s = sc if s is None else s + sc
     lse = m + o.log(s)  # (N, 1)
     # (lse - z_target) / N before the sum: a sum of N losses of ~10 overflows fp16
     loss = o.sum((lse - o.sum(x * w_tgt, -1)) * (1.0 / N), 0)  # (1, 1)
-    return loss, (x, z, lse)
+    return loss, (x, z, lse_c, lse)
 
 
 def lm_head_backward(o, chunks, w_tgt, cache, seed):
     # seed = loss_scale / N is dL/dloss_n. dz = seed * (softmax(z) - onehot(target)):
-    # the softmax part is exp(z - lse) per chunk; the onehot part only touches the target
+    # the softmax part, over the whole vocabulary, is exp(z - lse) = softmax_c(z) exp(lse_c - lse)
+    # per chunk c (softmax_c over the chunk alone: one fused kernel on either backend, and
+    # the per-row factor is an (N, 1) vector); the onehot part only touches the target
     # rows, so it goes to dx as -seed * W[target] and to those rows as -seed * x.
-    x, z, lse = cache
+    x, z, lse_c, lse = cache
     dx, dws = None, []
-    for w, zc in zip(chunks, z):
-        dz = o.exp(zc - lse) * seed
+    for w, zc, lc in zip(chunks, z, lse_c):
+        dz = o.softmax(zc, -1) * (o.exp(lc - lse) * seed)
         dws.append(o.matmul(dz, x, ta=True))  # dW_chunk = dz^T x
         dxc = o.matmul(dz, w)                 # dx += dz W_chunk
         dx = dxc if dx is None else dx + dxc
@@ -859,8 +899,8 @@ class MILOps:
 
     fuses_pointwise = False  # the program spells every piece out in the derivation's ops
 
-    def fuses_attention(self, head_dim):
-        return False
+    def attention_kernel(self, q, k, v):
+        return None
 
     def __init__(self):
         from coremltools.converters.mil import Builder as mb
@@ -893,7 +933,7 @@ class MILOps:
         return MILTensor(self.mb.const(val=np.triu(np.full((T, T), -1e4, np.float16), 1)))
 
     def pad_mask(self, n, valid):
-        return MILTensor(self.mb.const(val=np.where(np.arange(n) < valid, 0, -1e4).astype(np.float16)[None]))
+        return MILTensor(self.mb.const(val=np.where(np.arange(n) < valid, 0, -1e4).astype(np.float16)))
 
 
 def import_coremltools():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from hetero_gpt import (GPT, GPTConfig, TorchOps, attention_backward, attention_forward, eager_loss_and_grads,
                         gelu_backward, gelu_forward, layernorm_backward, layernorm_forward, linear_backward, linear_forward,
-                        lm_head_backward, lm_head_forward, manual_loss_and_grads, vocab_chunks)
+                        lm_head_backward, lm_head_forward, logsumexp_forward, manual_loss_and_grads, vocab_chunks)
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 FP16_MIN_COSINE = 0.999
@@ -141,15 +141,24 @@ def test_attention(B, T, H, fused):
                 lambda o, dy, cache, *_: attention_backward(o, dy, cache, B, T, H), reference, [q, k, v], fused)
 
 
+@pytest.mark.parametrize('fused', [False, True], ids=['ops', 'fused'])
+def test_logsumexp(fused):
+    z = torch.randn(10, 37, dtype=torch.float64) * 4 + 50  # + 50: would overflow exp() without the max
+    check_piece(lambda o, z: (logsumexp_forward(o, z), None),
+                lambda o, dy, _, z: (dy * torch.softmax(z, -1),),  # d lse / dz = softmax(z), the backward's use
+                lambda z: torch.logsumexp(z, -1, keepdim=True), [z], fused)
+
+
+@pytest.mark.parametrize('fused', [False, True], ids=['ops', 'fused'])
 @pytest.mark.parametrize('pad', [0, 5])
-def test_lm_head_loss(pad):
+def test_lm_head_loss(pad, fused):
     # a 37-row vocabulary in three chunks, as the program sees them (pad=5: the last chunk
     # has 5 zero rows past the vocabulary, masked); gradient w.r.t. x and W
     N, C, V = 6, 8, 37
     x, w = torch.randn(N, C, dtype=torch.float64), torch.randn(V, C, dtype=torch.float64)
     tgt = torch.randint(0, V, (N,))
     bounds = [(0, 14), (14, 28), (28, 37)] if pad else [(0, 10), (10, 25), (25, 37)]
-    o = TorchOps(torch.float64, 'cpu')
+    o = TorchOps(torch.float64, 'cpu', fused_kernels=fused)
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     ref_loss = F.cross_entropy(xr @ wr.T, tgt)
     ref_loss.backward()
@@ -304,8 +313,10 @@ def main():
               'whole model, fused kernels': lambda: [test_fused_kernels_model_grads(d, c) for d in
                                                      (torch.float64, torch.float32, torch.float16)
                                                      for c in (CONFIGS[0], CONFIGS[2])],
-              'lm_head': lambda: test_lm_head_loss(0),
-              'lm_head, padded chunk': lambda: test_lm_head_loss(5), 'vocab_chunks': test_vocab_chunks,
+              'logsumexp': lambda: [test_logsumexp(f) for f in (False, True)],
+              'lm_head': lambda: [test_lm_head_loss(0, f) for f in (False, True)],
+              'lm_head, padded chunk': lambda: [test_lm_head_loss(5, f) for f in (False, True)],
+              'vocab_chunks': test_vocab_chunks,
               'compiled derivation': test_compiled_derivation_matches_autograd,
               'training steps': test_training_steps_match_autograd, 'bad input': test_bad_input}
     for name, t in pieces.items():

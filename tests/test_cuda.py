@@ -3,6 +3,7 @@ step replayed as a CUDA graph, and the engine on a second GPU (skipped without C
 CI; on a GPU machine: python -m pytest -q tests/test_cuda.py)."""
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hetero_gpt as hg
 
@@ -92,13 +93,27 @@ def test_engine_on_a_second_gpu_gives_the_one_gpu_step():
             m.zero_grad(set_to_none=True)
 
 
+KERNELS = {'flash': SDPBackend.FLASH_ATTENTION, 'efficient': SDPBackend.EFFICIENT_ATTENTION,
+           'cudnn': SDPBackend.CUDNN_ATTENTION}
+
+
 @cuda
-@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_kernels_on_cuda(dtype):
-    # the CUDA kernels (flash attention in fp16/bf16, memory-efficient in fp32; layernorm,
-    # GELU, the bias add in the matmul) inside the whole step, against fp64 autograd on the
-    # CPU: fp32 to its bound of test_grads.py
-    # (1e-4 relative), fp16/bf16 by cosine >= 0.999 per tensor as the fp16 test there
+@pytest.mark.parametrize('dtype,kernel', [(torch.float32, 'efficient')] + [
+    (d, k) for d in (torch.bfloat16, torch.float16) for k in ('flash', 'efficient', 'cudnn')])
+def test_fused_kernels_on_cuda(dtype, kernel):
+    # the CUDA kernels (each attention kernel pair that scaled_dot_product_attention may
+    # pick, forced here one at a time; layernorm, GELU, log-sum-exp, the bias add in the
+    # matmul) inside the whole step, against fp64 autograd on the CPU: fp32 to its bound
+    # of test_grads.py (1e-4 relative), fp16/bf16 by cosine >= 0.999 per tensor as the
+    # fp16 test there
+    with sdpa_kernel([KERNELS[kernel]]):
+        q = torch.randn(2, CFG.n_head, CFG.block_size, CFG.n_embd // CFG.n_head, dtype=dtype, device='cuda')
+        if hg.TorchOps(dtype, 'cuda', fused_kernels=True).attention_kernel(q, q, q) != kernel:
+            pytest.skip(f"{kernel} attention does not take these {dtype} tensors on this GPU")
+        check_fused_step(dtype)
+
+
+def check_fused_step(dtype):
     model, [(x, y)] = model_and_batches('cpu', 1)
     model = model.double()
     _, loss = model(x, y)

@@ -1,0 +1,66 @@
+"""Where does the hand-derived step (--fused_kernels, eager) lose to autograd? Times both
+on GPT-2 124M, batch 12 x 1024, then prints the top CUDA kernels of one step of each
+(torch.profiler), so the two kernel lists can be read side by side.
+
+    python benchmarks/profile_manual.py [--dtype bfloat16]     # on a CUDA GPU
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hetero_gpt as hg  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument('--dtype', default='bfloat16')
+p.add_argument('--rows', type=int, default=30, help='kernels listed per side')
+a = p.parse_args()
+dtype = getattr(torch, a.dtype)
+torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+dev = torch.device('cuda')
+cfg = hg.GPTConfig()
+torch.manual_seed(0)
+model = hg.GPT(cfg).to(dev)
+params = dict(model.named_parameters())
+x, y = (torch.randint(cfg.vocab_size, (12, 1024), device=dev) for _ in range(2))
+w = {k: v.detach().to(dtype) for k, v in params.items()}
+scale = 1024.0 if dtype == torch.float16 else 1.0
+
+
+def autograd():
+    model.zero_grad(set_to_none=True)
+    with torch.autocast('cuda', dtype=dtype, enabled=dtype != torch.float32):
+        _, loss = model(x, y)
+    loss.backward()
+
+
+def manual():
+    return hg.eager_loss_and_grads(cfg, w, x, y, dtype, dev, scale, fused_kernels=True)
+
+
+def timeit(name, fn, n=10):
+    ts = []
+    for i in range(3 + n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    print(f"{name:40} {1000 * statistics.median(ts[3:]):8.2f} ms", flush=True)
+
+
+timeit('autograd forward+backward', autograd)
+timeit('manual (fused kernels)', manual)
+for name, f in (('autograd', autograd), ('manual', manual)):
+    f()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        f()
+        torch.cuda.synchronize()
+    ev = prof.key_averages()
+    total = sum(e.self_device_time_total for e in ev) / 1e3
+    print(f"==== {name}: {total:.2f} ms of kernels (sum of device time)")
+    print(ev.table(sort_by='self_cuda_time_total', row_limit=a.rows, max_name_column_width=150))
