@@ -296,6 +296,13 @@ _KNOWN_CONFIGS = set()  # configs of every GPT built in this process (to infer n
 _COMPILED = {}  # derivation function -> its torch.compile'd version (TorchOps.fused)
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: decided once, while tracing
+def sdp_choice(q, k, v):
+    """scaled_dot_product_attention's own choice of kernel for causal attention on q, k, v
+    (an SDPBackend value), from their shapes, dtype and device."""
+    return torch._fused_sdp_choice(q, k, v, None, 0.0, True)
+
+
 class TorchOps:
     """PyTorch backend of the derivation: eager, no autograd, any device and dtype."""
     # Eager PyTorch keeps every cached tensor alive until the backward: the (B, H, T, T)
@@ -373,7 +380,7 @@ class TorchOps:
         own ops run."""
         if not self.fused_kernels or self.device.type not in ('cpu', 'cuda'):
             return None
-        return self.KERNELS.get(torch._fused_sdp_choice(q, k, v, None, 0.0, True))
+        return self.KERNELS.get(sdp_choice(q, k, v))
 
     def attention(self, kernel, q, k, v):
         """(y, saved): y (B, H, T, D), and what attention_grad needs besides q, k, v, y."""

@@ -196,14 +196,18 @@ def test_model_grads(case, dtype):
     assert not bad, f"{dtype}: {bad[:3]}"
 
 
-def test_compiled_derivation_matches_autograd():
+@pytest.mark.parametrize('fused', [False, True], ids=['ops', 'fused kernels'])
+def test_compiled_derivation_matches_autograd(fused):
     # --compile runs the same derivation through torch.compile (TorchOps.fused): fused
-    # kernels reorder fp32 sums, so it is held to the fp32 bound against fp64 autograd
+    # kernels reorder fp32 sums, so it is held to the fp32 bound against fp64 autograd.
+    # Each compiled piece must be one graph: a graph break splits it into eager parts
     case = CONFIGS[0]
     params, idx, targets, ref_loss, ref = autograd_reference(case['cfg'], case['B'], case['T'])
     w = {k: v.detach().float() for k, v in params.items()}
+    torch._dynamo.utils.counters.clear()
     loss, grads = eager_loss_and_grads(case['cfg'], w, idx, targets, torch.float32, torch.device('cpu'), 1.0,
-                                       compile=True)
+                                       compile=True, fused_kernels=fused)
+    assert not torch._dynamo.utils.counters['graph_break'], dict(torch._dynamo.utils.counters['graph_break'])
     assert abs(loss.item() - ref_loss) / ref_loss < TOL[torch.float32]
     worst = max((rel_err(grads[k], ref[k]), k) for k in ref)
     assert worst[0] <= TOL[torch.float32], worst
@@ -317,7 +321,7 @@ def main():
               'lm_head': lambda: [test_lm_head_loss(0, f) for f in (False, True)],
               'lm_head, padded chunk': lambda: [test_lm_head_loss(5, f) for f in (False, True)],
               'vocab_chunks': test_vocab_chunks,
-              'compiled derivation': test_compiled_derivation_matches_autograd,
+              'compiled derivation': lambda: [test_compiled_derivation_matches_autograd(f) for f in (False, True)],
               'training steps': test_training_steps_match_autograd, 'bad input': test_bad_input}
     for name, t in pieces.items():
         try:
