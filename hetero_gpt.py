@@ -447,12 +447,18 @@ class TorchOps:
         return mask
 
     def logsumexp(self, z):
-        """logsumexp_forward with PyTorch's fused log-softmax kernel: three kernels and four
-        passes over memory, where the written-out ops make four kernels and six passes.
-        log softmax(z)_v = z_v - lse for every v, so lse = max(z) - max(log softmax(z)),
-        and that max, -log sum_v exp(z_v - max(z)), lies in [-log V, 0]: rounded to z's
-        dtype, it is no less exact than the written-out twin's log(sum)."""
-        return self.max(z, -1) - self.max(torch.log_softmax(z, -1), -1)
+        """logsumexp_forward with PyTorch's fused log-softmax kernel: one pass to read z and
+        one to write, where the written-out ops make four kernels and six passes.
+        log softmax(z)_v = z_v - lse for every column v, so lse = z_0 - log softmax(z)_0:
+        exact enough in fp32 and fp64. In fp16/bf16, log softmax(z)_0 is rounded to ~3
+        significant digits and may be -30: there, take the one column whose log softmax
+        is the largest, -log sum_v exp(z_v - max(z)) in [-log V, 0], so lse =
+        max(z) - max(log softmax(z)), rounded no worse than the written-out twin's
+        log(sum) (two more reads, still a pass fewer)."""
+        ls = torch.log_softmax(z, -1)
+        if z.dtype in (torch.float16, torch.bfloat16):
+            return self.max(z, -1) - self.max(ls, -1)
+        return z[:, :1] - ls[:, :1]
 
 
 # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin) as in nn.Linear
@@ -642,17 +648,20 @@ def lm_head_forward(o, x, chunks, w_tgt, N, pad=0):
 
 
 def lm_head_backward(o, chunks, w_tgt, cache, seed):
-    # seed = loss_scale / N is dL/dloss_n. dz = seed * (softmax(z) - onehot(target)):
-    # the softmax part, over the whole vocabulary, is exp(z - lse) = softmax_c(z) exp(lse_c - lse)
-    # per chunk c (softmax_c over the chunk alone: one fused kernel on either backend, and
-    # the per-row factor is an (N, 1) vector); the onehot part only touches the target
-    # rows, so it goes to dx as -seed * W[target] and to those rows as -seed * x.
+    # seed = loss_scale / N is dL/dloss_n. dz = seed * (softmax(z) - onehot(target)).
+    # The softmax part, over the whole vocabulary, is exp(z - lse) = softmax_c(z) r per
+    # chunk c, with softmax_c over the chunk alone (one fused kernel on either backend)
+    # and r = seed exp(lse_c - lse) one number per row. r is never multiplied into the
+    # (N, Vc) matrix: it scales rows of the (N, C) operands of the two matmuls instead,
+    # dW_c = dz^T x = softmax_c^T (r x) and dx_c = dz W_c = r (softmax_c W_c), which
+    # touches Vc/C = 16x fewer numbers. The onehot part only touches the target rows, so
+    # it goes to dx as -seed * W[target] and to those rows as -seed * x.
     x, z, lse_c, lse = cache
     dx, dws = None, []
     for w, zc, lc in zip(chunks, z, lse_c):
-        dz = o.softmax(zc, -1) * (o.exp(lc - lse) * seed)
-        dws.append(o.matmul(dz, x, ta=True))  # dW_chunk = dz^T x
-        dxc = o.matmul(dz, w)                 # dx += dz W_chunk
+        p, r = o.softmax(zc, -1), o.exp(lc - lse) * seed  # (N, Vc), (N, 1)
+        dws.append(o.matmul(p, x * r, ta=True))  # dW_c = softmax_c^T (r x)
+        dxc = o.matmul(p, w) * r                 # dx += r (softmax_c W_c)
         dx = dxc if dx is None else dx + dxc
     return dx - w_tgt * seed, dws, x * (-1.0) * seed
 
