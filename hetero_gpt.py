@@ -429,6 +429,12 @@ class TorchOps:
     def gelu_grad(self, dy, x):
         return torch.ops.aten.gelu_backward(dy, x, approximate='tanh')
 
+    def cat(self, xs, axis=0):
+        return torch.cat(xs, axis)
+
+    def split(self, x, n, axis=-1):  # n equal parts, views
+        return x.chunk(n, axis)
+
     def linear(self, x, w, b):
         """x W^T + b with the bias added in the matmul's epilogue (one pass fewer)."""
         if self.dtype == torch.float16 and self.device.type == 'cpu':  # as matmul: no fp16 GEMM on CPUs
@@ -502,20 +508,23 @@ GELU_K = math.sqrt(2.0 / math.pi)
 
 def gelu_forward(o, x):
     # y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3)
-    if o.fuses_pointwise:  # the same y by one fused kernel (TorchOps.gelu); the cache is x alone
-        return o.gelu(x), (x, None)
+    # cache (x, t, None): the backward remakes y from t by one multiply-add (gelu_output);
+    # fused, (x, None, y): the kernel's t stays inside it, so keep y itself (as many bytes)
+    if o.fuses_pointwise:  # the same y by one fused kernel (TorchOps.gelu)
+        y = o.gelu(x)
+        return y, (x, None, y)
     t = o.tanh((x + 0.044715 * x * x * x) * GELU_K)
-    return gelu_output(o, (x, t)), (x, t)
+    return gelu_output(o, (x, t, None)), (x, t, None)
 
 
 def gelu_output(o, cache):
-    x, t = cache
-    return o.gelu(x) if t is None else 0.5 * x * (1.0 + t)
+    x, t, y = cache
+    return y if y is not None else 0.5 * x * (1.0 + t)
 
 
 def gelu_backward(o, dy, cache):
     # dy/dx = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3 * 0.044715 x^2)
-    x, t = cache
+    x, t, _ = cache
     if t is None:
         return o.gelu_grad(dy, x)
     return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 0.134145 * x * x))
@@ -579,23 +588,48 @@ BLOCK_PARAMS = {  # dense name: (nanoGPT name under transformer.h.{l}., which th
 }
 
 
+def qkv_forward(o, a, p):
+    # q, k, v = a Wq^T + bq, a Wk^T + bk, a Wv^T + bv: three matmuls in the program (no
+    # split). Fused (TorchOps.fuses_pointwise): one (N, 3C) matmul against the three
+    # weights stacked, nanoGPT's c_attn: one wide GEMM runs faster than three narrow ones,
+    # and its backward is two GEMMs and one bias sum where three make six and three.
+    if o.fuses_pointwise:
+        w, b = o.cat([p['wq'], p['wk'], p['wv']]), (o.cat([p['bq'], p['bk'], p['bv']]) if 'bq' in p else None)
+        q, k, v = o.split(linear_forward(o, a, w, b), 3)  # column blocks of (N, 3C), views
+        return q, k, v, w
+    return (*(linear_forward(o, a, p['w' + c], p.get('b' + c)) for c in 'qkv'), None)
+
+
+def qkv_backward(o, dq, dk, dv, a, p, w, d):
+    """da; the weight and bias gradients into d. w: qkv_forward's stacked weight, or None."""
+    if w is not None:  # fused: the two GEMMs of one linear layer, then its gradients split back
+        da, dw, db = linear_backward(o, o.cat([dq, dk, dv], -1), a, w)
+        (d['wq'], d['wk'], d['wv']), (d['bq'], d['bk'], d['bv']) = o.split(dw, 3, 0), o.split(db, 3, 0)
+        return da
+    da = None
+    for c, dc in zip('qkv', (dq, dk, dv)):
+        dac, d['w' + c], d['b' + c] = linear_backward(o, dc, a, p['w' + c])
+        da = dac if da is None else da + dac
+    return da
+
+
 def block_forward(o, x, p, B, T, H):
     # x + attn(ln_1(x)), then + mlp(ln_2(.))
     # (a bias missing from p, under bias=False, is None: no bias)
     a, ln1 = layernorm_forward(o, x, p['ln1_w'], p.get('ln1_b'))
-    q, k, v = (linear_forward(o, a, p['w' + c], p.get('b' + c)) for c in 'qkv')
+    q, k, v, wqkv = qkv_forward(o, a, p)
     y, att = attention_forward(o, q, k, v, B, T, H)
     x = x + linear_forward(o, y, p['wo'], p.get('bo'))
     m, ln2 = layernorm_forward(o, x, p['ln2_w'], p.get('ln2_b'))
     h = linear_forward(o, m, p['wfc'], p.get('bfc'))
     g, gelu = gelu_forward(o, h)
     x = x + linear_forward(o, g, p['wpr'], p.get('bpr'))
-    return x, (a, ln1, y, att, m, ln2, gelu)  # not g: gelu_output remakes it
+    return x, (a, ln1, wqkv, y, att, m, ln2, gelu)  # not g: gelu_output has it or remakes it
 
 
 def block_backward(o, dx, p, cache, B, T, H):
     # the forward's calls in reverse; a residual add passes dx through unchanged
-    a, ln1, y, att, m, ln2, gelu = cache
+    a, ln1, wqkv, y, att, m, ln2, gelu = cache
     d = {}
     dg, d['wpr'], d['bpr'] = linear_backward(o, dx, gelu_output(o, gelu), p['wpr'])
     dh = gelu_backward(o, dg, gelu)
@@ -604,10 +638,7 @@ def block_backward(o, dx, p, cache, B, T, H):
     dx = dx + dmx
     dy, d['wo'], d['bo'] = linear_backward(o, dx, y, p['wo'])
     dq, dk, dv = attention_backward(o, dy, att, B, T, H)
-    da = None
-    for c, dc in zip('qkv', (dq, dk, dv)):
-        dac, d['w' + c], d['b' + c] = linear_backward(o, dc, a, p['w' + c])
-        da = dac if da is None else da + dac
+    da = qkv_backward(o, dq, dk, dv, a, p, wqkv, d)
     dax, d['ln1_w'], d['ln1_b'] = layernorm_backward(o, da, p['ln1_w'], ln1)
     return dx + dax, {k: v for k, v in d.items() if k in p}  # no gradient for a bias that is not there
 
