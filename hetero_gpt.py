@@ -299,8 +299,11 @@ _COMPILED = {}  # derivation function -> its torch.compile'd version (TorchOps.f
 @torch.compiler.assume_constant_result  # under torch.compile: decided once, while tracing
 def sdp_choice(q, k, v):
     """scaled_dot_product_attention's own choice of kernel for causal attention on q, k, v
-    (an SDPBackend value), from their shapes, dtype and device."""
-    return torch._fused_sdp_choice(q, k, v, None, 0.0, True)
+    (an SDPBackend value), from their shapes, dtype and device, as for training: only with
+    q requiring a gradient does the dispatcher also check that the kernel has a backward
+    for these shapes (the derivation runs under no_grad, where it would not)."""
+    with torch.enable_grad():
+        return torch._fused_sdp_choice(q.detach().requires_grad_(), k, v, None, 0.0, True)
 
 
 class TorchOps:
