@@ -84,8 +84,9 @@ class Config:
     loss_scale: float = opt(1024.0, "initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
     scale_window: int = opt(200, "finite steps before the fp16 loss scale grows")
     compile: bool = opt(False, "torch.compile the GPU engine's model and the eager engine's derivation")
-    fused_kernels: bool = opt(False, "off macOS, the eager engine's attention, layernorm and GELU by PyTorch's "
-                                     "fused kernels (faster; fp32 statistics inside, where the ANE's are fp16)")
+    fused_kernels: bool = opt(False, "off macOS, the eager engine's attention, layernorm, GELU, bias adds, QKV "
+                                     "projection and log-sum-exp by PyTorch's fused kernels (faster; fp32 "
+                                     "statistics inside, where the ANE's are fp16)")
     # evaluation, logging, checkpoints
     eval_interval: int = opt(100, "evaluate validation loss and save a checkpoint every this many steps")
     eval_iters: int = opt(20, "validation batches per evaluation (0: the full validation split)")
@@ -278,11 +279,12 @@ _KNOWN_CONFIGS = set()  # configs of every GPT built in this process (to infer n
 # and o.fused(fn), which may hand back a compiled version of a piece of the derivation.
 # TorchOps runs the calls eagerly; MILOps (section 4) records them as a Core ML program.
 # With --fused_kernels, TorchOps runs some whole pieces (attention, layernorm, GELU, a
-# linear layer's bias add, log-sum-exp) by PyTorch's own fused kernels instead, called
-# by hand (o.attention_kernel, o.fuses_pointwise): the same math in fewer passes over
-# memory, each tested against its written-out twin's autograd reference.
-# Every op here exists in MIL and runs on the ANE: no gather, scatter, one_hot, concat,
-# or split. The sparse work (embedding lookup, picking each target's row, scatter-adding
+# linear layer's bias add, the QKV projection as one matmul, log-sum-exp) by PyTorch's
+# own fused kernels instead, called by hand (o.attention_kernel, o.fuses_pointwise): the
+# same math in fewer passes over memory, each tested against its written-out twin's
+# autograd reference. Every op the program records exists in MIL and runs on the ANE:
+# no gather, scatter, one_hot, concat, or split (TorchOps.cat/split serve the fused
+# QKV projection alone, which the program does not take). The sparse work (embedding lookup, picking each target's row, scatter-adding
 # their gradients) is done by the host around the dense program (host_inputs/host_grads).
 #
 # Shapes: B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H.
@@ -319,9 +321,10 @@ class TorchOps:
 
     @property
     def fuses_pointwise(self):
-        # --fused_kernels: layernorm, GELU and the linear layers' bias add by PyTorch's own
-        # fused kernels (one or two passes over memory each, where the ops written out
-        # below make ten or more), called by hand like every piece here; and attention, below
+        # --fused_kernels: layernorm, GELU, the linear layers' bias add, the QKV projection
+        # as one matmul and log-sum-exp by PyTorch's own fused kernels (one or two passes
+        # over memory each, where the ops written out below make up to ten), called by hand
+        # like every piece here; and attention, below (attention_kernel)
         return self.fused_kernels
 
     def fused(self, fn):
@@ -366,8 +369,9 @@ class TorchOps:
 
     # Fused causal attention: y = softmax(q k^T / sqrt(D) + mask) v and its backward, the
     # math of attention_forward/attention_backward below, by the fused kernel pair that
-    # PyTorch's own scaled_dot_product_attention would pick for these tensors (on an H100/H200
-    # in bf16/fp16: cuDNN's; elsewhere flash or memory-efficient attention). They never build
+    # PyTorch's own scaled_dot_product_attention would pick for these tensors in training
+    # (on an H100/H200 in bf16/fp16 with a recent cuDNN: cuDNN's; elsewhere flash or
+    # memory-efficient attention; under torch.compile the choice is made once, when traced). They never build
     # the (B, H, T, T) matrix P: the forward keeps each row's log-sum-exp, the backward
     # rebuilds P tile by tile from it. No autograd: both kernels are called by hand, as
     # every piece of the derivation is. Off by default: the fp16 stand-in for the ANE
@@ -415,8 +419,8 @@ class TorchOps:
         return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dy, q, k, v, None, y, lse, seed, offset, 0.0, [True, True, True, False], True)[:3]
 
-    # The fused pointwise pieces (fuses_pointwise), each the math of its written-out twin
-    # below: layernorm_forward/backward, gelu_forward/backward, linear_forward.
+    # The fused pieces (fuses_pointwise), each the math of its written-out twin below:
+    # layernorm_forward/backward, gelu_forward/backward, linear_forward, logsumexp_forward.
     def layernorm(self, x, w, b, eps):
         """(y, mean, rstd); mean and rstd per row, for layernorm_grad."""
         return torch.ops.aten.native_layer_norm(x, [x.shape[-1]], w, b, eps)
@@ -578,8 +582,9 @@ def attention_backward(o, dy, cache, B, T, H):
 
 
 # ---- one transformer block. Weights come in by the dense program's names (BLOCK_PARAMS).
-# The QKV projection is three (C, C) matmuls: the host slices nanoGPT's (3C, C) c_attn
-# weight into q/k/v rows, so the program needs no split (forward) or concat (backward).
+# In the program, the QKV projection is three (C, C) matmuls: the host slices nanoGPT's
+# (3C, C) c_attn weight into q/k/v rows, so it needs no split (forward) or concat
+# (backward). Only TorchOps under --fused_kernels stacks them again (qkv_forward).
 BLOCK_PARAMS = {  # dense name: (nanoGPT name under transformer.h.{l}., which third of rows)
     'ln1_w': ('ln_1.weight', None), 'ln1_b': ('ln_1.bias', None),
     'wq': ('attn.c_attn.weight', 0), 'wk': ('attn.c_attn.weight', 1), 'wv': ('attn.c_attn.weight', 2),
