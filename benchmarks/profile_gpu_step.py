@@ -5,9 +5,7 @@ prints the top CUDA kernels of one forward+backward of each model (torch.profile
     NANOGPT=.bench/nanoGPT python benchmarks/profile_gpu_step.py
 """
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -15,6 +13,7 @@ here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, here)
 sys.path.insert(0, os.environ.get('NANOGPT', os.path.join(here, '.bench', 'nanoGPT')))
 import hetero_gpt as hg  # noqa: E402
+from benchmarks.cuda_timing import timeit  # noqa: E402
 import model as nano  # noqa: E402  (nanoGPT's model.py)
 
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -32,17 +31,6 @@ def fwd_bwd(m):
             _, loss = m(x, y)
         loss.backward()
     return f
-
-
-def timeit(name, fn, n=10):
-    ts = []
-    for i in range(3 + n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    print(f"{name:50} {1000 * statistics.median(ts[3:]):8.2f} ms", flush=True)
 
 
 timeit('nanoGPT bias=True: forward+backward', fwd_bwd(theirs))

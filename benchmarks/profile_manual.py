@@ -6,14 +6,13 @@ on GPT-2 124M, batch 12 x 1024, then prints the top CUDA kernels of one step of 
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hetero_gpt as hg  # noqa: E402
+from benchmarks.cuda_timing import timeit  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument('--dtype', default='bfloat16')
@@ -40,17 +39,6 @@ def autograd():
 
 def manual():
     return hg.eager_loss_and_grads(cfg, w, x, y, dtype, dev, scale, fused_kernels=True)
-
-
-def timeit(name, fn, n=10):
-    ts = []
-    for i in range(3 + n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    print(f"{name:40} {1000 * statistics.median(ts[3:]):8.2f} ms", flush=True)
 
 
 timeit('autograd forward+backward', autograd)
