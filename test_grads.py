@@ -320,7 +320,7 @@ def main():
                   test_linear(True), test_layernorm(True, True), test_layernorm(True, False), test_gelu(True),
                   test_attention(2, 5, 3, fused=True)],
               'whole model, fused kernels': lambda: [test_fused_kernels_model_grads(d, c) for d in
-                                                     (torch.float64, torch.float32, torch.float16)
+                                                     (torch.float64, torch.float32, torch.float16, torch.bfloat16)
                                                      for c in (CONFIGS[0], CONFIGS[2])],
               'logsumexp': lambda: [test_logsumexp(f) for f in (False, True)],
               'lm_head': lambda: [test_lm_head_loss(0, f) for f in (False, True)],
