@@ -280,12 +280,13 @@ _KNOWN_CONFIGS = set()  # configs of every GPT built in this process (to infer n
 # TorchOps runs the calls eagerly; MILOps (section 4) records them as a Core ML program.
 # With --fused_kernels, TorchOps runs some whole pieces (attention, layernorm, GELU, a
 # linear layer's bias add, the QKV projection as one matmul, log-sum-exp) by PyTorch's
-# own fused kernels instead, called by hand (o.attention_kernel, o.fuses_pointwise): the
+# own fused kernels instead, called by hand (o.attention_kernel, o.fused_kernels): the
 # same math in fewer passes over memory, each tested against its written-out twin's
 # autograd reference. Every op the program records exists in MIL and runs on the ANE:
 # no gather, scatter, one_hot, concat, or split (TorchOps.cat/split serve the fused
-# QKV projection alone, which the program does not take). The sparse work (embedding lookup, picking each target's row, scatter-adding
-# their gradients) is done by the host around the dense program (host_inputs/host_grads).
+# QKV projection alone, which the program does not take). The sparse work (embedding
+# lookup, picking each target's row, scatter-adding their gradients) is done by the host
+# around the dense program (host_inputs/host_grads).
 #
 # Shapes: B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H.
 # Activations are (N, C) row matrices; attention works per head on (B, H, T, D).
@@ -317,15 +318,11 @@ class TorchOps:
 
     def __init__(self, dtype, device, compile=False, fused_kernels=False):
         self.dtype, self.device, self.compile = dtype, torch.device(device), compile
-        self.fused_kernels = fused_kernels
-
-    @property
-    def fuses_pointwise(self):
         # --fused_kernels: layernorm, GELU, the linear layers' bias add, the QKV projection
         # as one matmul and log-sum-exp by PyTorch's own fused kernels (one or two passes
         # over memory each, where the ops written out below make up to ten), called by hand
         # like every piece here; and attention, below (attention_kernel)
-        return self.fused_kernels
+        self.fused_kernels = fused_kernels
 
     def fused(self, fn):
         # Eager, every op above is one kernel that reads and writes memory: a layernorm is
@@ -371,9 +368,9 @@ class TorchOps:
     # math of attention_forward/attention_backward below, by the fused kernel pair that
     # PyTorch's own scaled_dot_product_attention would pick for these tensors in training
     # (on an H100/H200 in bf16/fp16 with a recent cuDNN: cuDNN's; elsewhere flash or
-    # memory-efficient attention; under torch.compile the choice is made once, when traced). They never build
-    # the (B, H, T, T) matrix P: the forward keeps each row's log-sum-exp, the backward
-    # rebuilds P tile by tile from it. No autograd: both kernels are called by hand, as
+    # memory-efficient attention; under torch.compile the choice is made once, when
+    # traced). They never build the (B, H, T, T) matrix P: the forward keeps each row's
+    # log-sum-exp, the backward rebuilds P tile by tile from it. No autograd: both kernels are called by hand, as
     # every piece of the derivation is. Off by default: the fp16 stand-in for the ANE
     # should do attention in fp16 as the Core ML program does, and these kernels keep
     # fp32 softmax statistics inside.
@@ -419,7 +416,7 @@ class TorchOps:
         return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dy, q, k, v, None, y, lse, seed, offset, 0.0, [True, True, True, False], True)[:3]
 
-    # The fused pieces (fuses_pointwise), each the math of its written-out twin below:
+    # The fused pieces (fused_kernels), each the math of its written-out twin below:
     # layernorm_forward/backward, gelu_forward/backward, linear_forward, logsumexp_forward.
     def layernorm(self, x, w, b, eps):
         """(y, mean, rstd); mean and rstd per row, for layernorm_grad."""
@@ -476,7 +473,7 @@ class TorchOps:
 
 # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin) as in nn.Linear
 def linear_forward(o, x, w, b):  # b None: no bias (bias=False)
-    if b is not None and o.fuses_pointwise:  # the same, the add inside the matmul (TorchOps.linear)
+    if b is not None and o.fused_kernels:  # the same, the add inside the matmul (TorchOps.linear)
         return o.linear(x, w, b)
     y = o.matmul(x, w, tb=True)
     return y if b is None else y + b
@@ -489,7 +486,7 @@ def linear_backward(o, dy, x, w):
 
 # ---- layernorm over the last axis: y = xhat * w + b, xhat = (x - mean) * rstd
 def layernorm_forward(o, x, w, b, eps=1e-5):
-    if o.fuses_pointwise:  # the same y by one fused kernel (TorchOps.layernorm)
+    if o.fused_kernels:  # the same y by one fused kernel (TorchOps.layernorm)
         y, mean, rstd = o.layernorm(x, w, b, eps)
         return y, (x, b, mean, rstd)
     xc = x - o.mean(x, -1)
@@ -501,7 +498,7 @@ def layernorm_forward(o, x, w, b, eps=1e-5):
 def layernorm_backward(o, dy, w, cache):
     # with g = dy*w: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     # dw = sum over rows of dy*xhat, db = sum over rows of dy
-    if o.fuses_pointwise:
+    if o.fused_kernels:
         return o.layernorm_grad(dy, cache[0], w, *cache[1:])
     xhat, rstd = cache
     g = dy * w
@@ -517,7 +514,7 @@ def gelu_forward(o, x):
     # y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3)
     # cache (x, t, None): the backward remakes y from t by one multiply-add (gelu_output);
     # fused, (x, None, y): the kernel's t stays inside it, so keep y itself (as many bytes)
-    if o.fuses_pointwise:  # the same y by one fused kernel (TorchOps.gelu)
+    if o.fused_kernels:  # the same y by one fused kernel (TorchOps.gelu)
         y = o.gelu(x)
         return y, (x, None, y)
     t = o.tanh((x + 0.044715 * x * x * x) * GELU_K)
@@ -598,10 +595,10 @@ BLOCK_PARAMS = {  # dense name: (nanoGPT name under transformer.h.{l}., which th
 
 def qkv_forward(o, a, p):
     # q, k, v = a Wq^T + bq, a Wk^T + bk, a Wv^T + bv: three matmuls in the program (no
-    # split). Fused (TorchOps.fuses_pointwise): one (N, 3C) matmul against the three
+    # split). Fused (TorchOps.fused_kernels): one (N, 3C) matmul against the three
     # weights stacked, nanoGPT's c_attn: one wide GEMM runs faster than three narrow ones,
     # and its backward is two GEMMs and one bias sum where three make six and three.
-    if o.fuses_pointwise:
+    if o.fused_kernels:
         w, b = o.cat([p['wq'], p['wk'], p['wv']]), (o.cat([p['bq'], p['bk'], p['bv']]) if 'bq' in p else None)
         q, k, v = o.split(linear_forward(o, a, w, b), 3)  # column blocks of (N, 3C), views
         return q, k, v, w
@@ -654,7 +651,7 @@ def block_backward(o, dx, p, cache, B, T, H):
 # ---- log-sum-exp over the last axis: lse = m + log sum_v exp(z_v - m), m = max_v z_v
 # (subtracting the row max first: exp never overflows, and the largest term is exp(0) = 1)
 def logsumexp_forward(o, z):
-    if o.fuses_pointwise:  # the same (N, 1) by a fused softmax kernel (TorchOps.logsumexp)
+    if o.fused_kernels:  # the same (N, 1) by a fused softmax kernel (TorchOps.logsumexp)
         return o.logsumexp(z)
     m = o.max(z, -1)
     return m + o.log(o.sum(o.exp(z - m), -1))
@@ -947,7 +944,7 @@ class MILOps:
     """MIL backend of the derivation: every op is one the ANE runs (ANE_NOTES)."""
     recompute_attention = False  # a graph compiler plans its own memory: keep P, skip the recompute
 
-    fuses_pointwise = False  # the program spells every piece out in the derivation's ops
+    fused_kernels = False  # the program spells every piece out in the derivation's ops
 
     def attention_kernel(self, q, k, v):
         return None

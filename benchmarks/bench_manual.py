@@ -103,8 +103,8 @@ for fused in (False, True):  # compiled, with every piece spelled out or by PyTo
     rows += [(names[d] + ', both compiled' + (', manual: fused kernels' if fused else ''),
               lambda d=d: autograd(d, True), lambda d=d, f=fused: manual(d, scales[d], True, f))
              for d in (getattr(torch, n) for n in a.compiled.split(',') if n)]
-# --fused_kernels (attention, layernorm, GELU, bias adds by PyTorch's fused kernels), eager and as the
-# CUDA graph the hetero engine replays; autograd eager beside each
+# --fused_kernels (every piece PyTorch has a fused kernel for: TorchOps.fused_kernels), eager and as
+# the CUDA graph the hetero engine replays; autograd eager beside each
 for tag, make in ((', manual: fused kernels', lambda d: manual(d, scales[d], fused=True)),
                   (', manual: fused kernels + CUDA graph', lambda d: graphed(d, scales[d], True)),
                   (', manual: CUDA graph', lambda d: graphed(d, scales[d], False))):
