@@ -36,10 +36,8 @@ import numpy as np
 import hetero_gpt as hg
 
 MODES = ('gpu', 'ane', 'hetero')
-OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume', 'bench')  # compare.py sets or forbids these
-RENAMED = {'fused_attention': 'fused_kernels'}  # a setting's old name: its new one
-UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_package', 'device', 'bench_iters',
-             'bench_repeats')  # may differ when a run is reused
+OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume')  # compare.py sets or forbids these
+UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_package', 'device')  # may differ when a run is reused
 # (device too: finished runs made on a GPU machine can be summarized on another one)
 
 # -----------------------------------------------------------------------------
@@ -196,9 +194,7 @@ def run_one(flags, mode, seed, out_dir, drop_checkpoint=False):
     saved_path, saved = os.path.join(run_dir, 'compare_config.json'), None
     if os.path.exists(saved_path):
         with open(saved_path) as f:
-            # settings added since that run was made take their defaults (they did not exist then)
-            old = {RENAMED.get(k, k): v for k, v in json.load(f).items()}
-            saved = {k: v for k, v in (dataclasses.asdict(hg.Config()) | old).items() if k not in UNCHECKED}
+            saved = {k: v for k, v in json.load(f).items() if k not in UNCHECKED}
     if (os.path.exists(metrics) or os.path.exists(ckpt)) and saved != settings:
         diff = ', '.join(f'{k}: {(saved or {}).get(k)} there, {v} now' for k, v in settings.items()
                          if (saved or {}).get(k) != v)

@@ -14,6 +14,10 @@ predict timings); elsewhere through the NumPy evaluator (slow; use a small model
 """
 import argparse
 import collections
+import dataclasses
+import json
+import os
+import shutil
 import sys
 import time
 
@@ -76,6 +80,136 @@ def program_report(prog, cfg, B, T):
                 off_ane=sorted(k for k in kinds if k in OFF_ANE_OPS))
 
 
+PROGRAM_FORMAT = 3  # bump when the program's inputs, outputs or metadata change
+
+
+def package_meta(cfg, B, T):
+    return dict(format=PROGRAM_FORMAT, microbatch=B, seq_len=T, **dataclasses.asdict(cfg))
+
+
+def is_package(path):
+    """Whether path holds a package this project wrote (of any version)."""
+    try:
+        hg.import_coremltools().utils.load_spec(path).description.metadata.userDefined['heterogpt']
+        return True
+    except Exception:
+        return False
+
+
+def export_coreml(cfg, B, T, path):
+    """Builds the program (hg.build_coreml_program) and saves it as an .mlpackage at
+    `path`, atomically: a crash leaves no half-written package under that name. Only a
+    path that is absent or already holds a HeteroEngine package is written."""
+    ct = hg.import_coremltools()
+    if os.path.lexists(path) and not is_package(path):
+        raise hg.UserError(f"{path} exists and is not a HeteroEngine Core ML package: refusing to overwrite it; "
+                           "choose another --out")
+    prog = hg.build_coreml_program(cfg, B, T)
+    model = ct.convert(prog, convert_to='mlprogram', compute_precision=ct.precision.FLOAT16,
+                       minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
+    model.user_defined_metadata['heterogpt'] = json.dumps(package_meta(cfg, B, T))
+    model.short_description = f"HeteroEngine GPT-2 training step, microbatch {B}x{T}"
+    tmp = path.rstrip('/') + '.tmp.mlpackage'  # coremltools insists on the extension
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_package_meta(path):
+    """The metadata of a package this version of HeteroEngine exported; UserError else."""
+    if not os.path.isdir(path):
+        raise hg.UserError(f"no Core ML package at {path}: make one with `python export_ane.py --out {path}`")
+    try:
+        meta = json.loads(hg.import_coremltools().utils.load_spec(path).description.metadata.userDefined['heterogpt'])
+    except Exception as e:
+        raise hg.UserError(f"{path} is not a HeteroEngine Core ML package ({e}); re-export it with export_ane.py")
+    if meta.get('format') != PROGRAM_FORMAT:
+        raise hg.UserError(f"{path} was exported by another version of HeteroEngine; re-export it")
+    return meta
+
+
+def ensure_package(cfg, log=print):
+    """The package --mode ane/hetero needs: reused if one exported for this configuration
+    exists, else exported now. A package the user named (--ane_package) is never
+    overwritten: one for other shapes is an error."""
+    mcfg = hg.model_config(cfg)
+    path = cfg.ane_package or os.path.join(cfg.out_dir, f'ane_B{cfg.batch_size}_T{cfg.block_size}.mlpackage')
+    if os.path.isdir(path):
+        meta = read_package_meta(path)
+        if meta == package_meta(mcfg, cfg.batch_size, cfg.block_size):
+            return path
+        if cfg.ane_package:
+            raise hg.UserError(f"--ane_package {path} was exported for other shapes; re-export it with "
+                               f"`python export_ane.py {mcfg.flags()} --microbatch {cfg.batch_size} --out {path}`"
+                               " or name another path")
+        log(f"{path} was exported for other shapes: exporting again")
+    log(f"exporting the Core ML training program to {path} ...")
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    export_coreml(mcfg, cfg.batch_size, cfg.block_size, path)
+    return path
+
+
+def load_coreml_program(path):
+    """The saved package read back into a MIL Program (works on Linux; ANE_NOTES section 5)."""
+    ct = hg.import_coremltools()
+    from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+    model = ct.models.MLModel(path, skip_model_load=True)
+    spec = model.get_spec()
+    return milproto_load(spec, specification_version=spec.specificationVersion,
+                         file_weights_dir=model.weights_dir or '')
+
+
+def numpy_predict(prog):
+    """A stand-in for Core ML's predict off macOS: evaluates the program op by op in NumPy,
+    each op's result rounded to the dtype the program declares (fp16 here), through the
+    ops' own value_inference. Slow; for checking the program, not for training."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import Function, types
+    f = prog.functions['main']
+
+    def plain(v):  # NumPy 2: loaded bool params are np.bool_, which reductions reject
+        return bool(v) if isinstance(v, np.bool_) or (isinstance(v, np.ndarray) and v.dtype == np.bool_ and v.ndim == 0) else v
+
+    def matmul(kw):  # fp16 operands, fp32 accumulation (as the ANE), fp16 result; and fast
+        x, y = kw['x'].astype(np.float32), kw['y'].astype(np.float32)
+        x = np.swapaxes(x, -1, -2) if kw.get('transpose_x') else x
+        y = np.swapaxes(y, -1, -2) if kw.get('transpose_y') else y
+        return (x @ y,)
+
+    def predict(inputs):
+        env = {}
+        for name, var in f.inputs.items():
+            a = np.asarray(inputs[name]).astype(types.nptype_from_builtin(var.dtype))
+            if a.shape != tuple(var.shape):
+                raise ValueError(f"input {name}: shape {a.shape}, program expects {tuple(var.shape)}")
+            env[name] = a
+
+        def val(v):
+            return env[v.name] if v.name in env else v.val
+        with Function({}, opset_version=f.opset_version):
+            for op in f.operations:
+                if op.op_type == 'const':
+                    env[op.outputs[0].name] = op.outputs[0].val
+                    continue
+                kw = {k: [plain(val(x)) for x in v] if isinstance(v, (list, tuple)) else plain(val(v))
+                      for k, v in op.inputs.items()}
+                if op.op_type == 'matmul':
+                    res = matmul(kw)
+                else:
+                    new = mb._add_op(type(op), name=op.name, **kw)  # runs the op's value_inference
+                    res = tuple(o.val for o in (new if isinstance(new, (list, tuple)) else [new]))
+                    if any(r is None for r in res):
+                        raise NotImplementedError(f"no NumPy evaluation for MIL op {op.op_type}")
+                for o, r in zip(op.outputs, res):
+                    env[o.name] = np.asarray(r).astype(types.nptype_from_builtin(o.dtype))
+        return {o.name: env[o.name] for o in f.outputs}
+    return predict
+
+
 def print_report(r):
     print(f"ops: {r['ops']}  " + ', '.join(f'{k} {v}' for k, v in r['op_types'].items()))
     print(f"FLOPs per call: {r['flops'] / 1e9:.3f} G total, {r['matmul_flops'] / 1e9:.3f} G in matmuls")
@@ -135,10 +269,7 @@ def macos_compute_plan(path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = hg.GPTConfig()
-    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size'):
-        p.add_argument(f'--{k}', type=int, default=getattr(defaults, k))
-    p.add_argument('--bias', type=hg._parse_bool, default=True, help="biases as GPT-2 (False: nanoGPT's bias=False)")
+    hg.add_flags(p, hg.GPTConfig)  # the model's flags, as hetero_gpt.py's
     p.add_argument('--microbatch', type=int, default=4, help="sequences per call (B)")
     p.add_argument('--seq_len', type=int, default=0, help="tokens per sequence (T; default block_size)")
     p.add_argument('--out', default='ane.mlpackage', help="where to save the .mlpackage")
@@ -146,13 +277,12 @@ def main(argv=None):
     p.add_argument('--check_calls', type=int, default=5, help="timed predict calls with --check on macOS")
     a = p.parse_args(argv)
     try:
-        cfg = hg.GPTConfig(block_size=a.block_size, vocab_size=a.vocab_size, n_layer=a.n_layer,
-                           n_head=a.n_head, n_embd=a.n_embd, bias=a.bias)
+        cfg = hg.GPTConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(hg.GPTConfig)})
         B, T = a.microbatch, a.seq_len or a.block_size
         t0 = time.perf_counter()
-        hg.export_coreml(cfg, B, T, a.out)
+        export_coreml(cfg, B, T, a.out)
         print(f"saved {a.out} ({cfg}, microbatch {B}x{T}) in {time.perf_counter() - t0:.1f} s")
-        print_report(program_report(hg.load_coreml_program(a.out), cfg, B, T))
+        print_report(program_report(load_coreml_program(a.out), cfg, B, T))
         if a.check:
             engine = hg.CoreMLEngine(a.out, config=cfg, microbatch=(B, T),
                                      scaler=hg.LossScaler(1024.0, 0))

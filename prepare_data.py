@@ -296,6 +296,46 @@ def prepare(name, data_dir="data", input_path=None, zip_path=None):
     return out_dir
 
 
+def rebuild_command(folder, meta):
+    """The command that makes this data set again, from its meta.json (None: unknown)."""
+    folder = Path(folder)
+    data_dir = "" if folder.parent == Path("data") else f" --data_dir {folder.parent}"
+    name, source = (meta or {}).get("dataset", folder.name), (meta or {}).get("source", "")
+    if name in DATASETS and not os.path.isfile(source):
+        return f"python prepare_data.py {name}{data_dir}"
+    return f"python prepare_data.py --input {source or 'FILE'} --name {folder.name}{data_dir}"
+
+
+def load_splits(folder, block_size, vocab_size):
+    """{"train", "val"}: the prepared set in folder as uint16 memmaps, checked against its
+    meta.json (sizes) and the model (token ids below vocab_size, enough tokens for one
+    block); a DataError that names the file and the command to rebuild the set."""
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise DataError(f"{folder / 'meta.json'} is unreadable ({e}): rebuild the set with "
+                        f"`{rebuild_command(folder, None)}`") from None
+    data = {}
+    for split in ("train", "val"):
+        path = folder / f"{split}.bin"
+        size = path.stat().st_size if path.exists() else -1
+        if not isinstance(meta.get(f"{split}_tokens"), int) or size != 2 * meta[f"{split}_tokens"]:
+            raise DataError(f"{path} is missing or does not match meta.json (a broken or interrupted "
+                            f"preparation?): rebuild the set with `{rebuild_command(folder, meta)}`")
+        data[split] = np.memmap(path, dtype=np.uint16, mode="r")
+        if len(data[split]) < block_size + 2:
+            raise DataError(f"block_size={block_size} is larger than the {split} split "
+                            f"({len(data[split])} tokens): lower --block_size")
+        top = int(data[split].max())  # one pass over the memmap, once per run
+        if top >= vocab_size:
+            raise DataError(f"{path} holds token id {top}, outside the model's vocabulary of {vocab_size}: "
+                            f"raise --vocab_size, or rebuild the set with `{rebuild_command(folder, meta)}`")
+    return data
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Tokenize a data set with GPT-2 BPE into uint16 .bin files.")
     parser.add_argument("dataset", nargs="?", help=f"one of: {', '.join(DATASETS)}")

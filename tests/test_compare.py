@@ -136,17 +136,6 @@ def test_compare_end_to_end_and_reuse(data_dir, tmp_path, capsys):
     assert os.path.getmtime(out / 'gpu_s1' / 'metrics.jsonl') == stamp
     assert again['modes'] == summary['modes']
 
-    # a run saved before a setting existed (here: bias) had its default; one saved under a
-    # setting's old name (fused_attention, now fused_kernels) is read by the new name
-    for m in ('gpu', 'ane', 'hetero'):
-        for s in (1, 2):
-            path = out / f'{m}_s{s}' / 'compare_config.json'
-            old = json.loads(path.read_text())
-            old['fused_attention'] = old.pop('fused_kernels')
-            path.write_text(json.dumps({k: v for k, v in old.items() if k != 'bias'}))
-    compare.main(tiny(data_dir, out))
-    assert capsys.readouterr().out.count('finished run found, reused') == 6
-
     # other settings in the same out_dir are refused, not mixed in
     with pytest.raises(SystemExit) as e:
         compare.main(tiny(data_dir, out, '--learning_rate', '1e-2'))

@@ -15,7 +15,7 @@ B, T = 3, 7
 @pytest.fixture(scope='module')
 def package(tmp_path_factory):
     path = str(tmp_path_factory.mktemp('ane') / 'tiny.mlpackage')
-    hg.export_coreml(CFG, B, T, path)
+    export_ane.export_coreml(CFG, B, T, path)
     return path
 
 
@@ -45,7 +45,7 @@ def test_saved_program_matches_autograd(package):
 
 
 def test_program_is_ane_shaped(package):
-    r = export_ane.program_report(hg.load_coreml_program(package), CFG, B, T)
+    r = export_ane.program_report(export_ane.load_coreml_program(package), CFG, B, T)
     assert not set(r['op_types']) & {'gather', 'gather_nd', 'one_hot', 'scatter', 'scatter_nd', 'concat', 'gelu'}
     assert r['off_ane'] == []
     assert r['largest_dim'] <= hg.ANE_MAX_DIM and r['max_rank'] <= 5
@@ -92,10 +92,11 @@ def test_not_a_package(tmp_path):
 
 
 def test_custom_predict_and_input_lifetime(package):
-    # a test's own predict (here: the NumPy evaluator wrapped) receives fp16 inputs by the
-    # program's names; the engine keeps them alive after the call (Core ML frees them late)
+    # a test's own predict (here: the NumPy evaluator wrapped) receives the inputs by the
+    # program's names, in fp32 (which coremltools wraps without converting), in the engine's
+    # persistent buffers (Core ML frees its inputs late: these are never freed under it)
     seen = {}
-    evaluate = hg.numpy_predict(hg.load_coreml_program(package))
+    evaluate = export_ane.numpy_predict(export_ane.load_coreml_program(package))
 
     def predict(inputs):
         seen.update(inputs)
@@ -105,8 +106,8 @@ def test_custom_predict_and_input_lifetime(package):
     engine.load_weights(dict(model.named_parameters()))
     engine.loss_and_grads(idx, targets)
     assert set(seen) == set(hg.dense_input_shapes(CFG, B, T))
-    assert all(v.dtype == np.float16 for v in seen.values())
-    assert engine.keep['x0'] is seen['x0']
+    assert all(v.dtype == np.float32 for v in seen.values())
+    assert all(seen[k] is engine.inputs[k] for k in seen)
 
 
 def test_export_cli_refuses_too_many_tokens(tmp_path, capsys):
@@ -121,13 +122,13 @@ def test_trainer_exports_once_and_reuses(tmp_path):
     said = []
     cfg, _ = hg.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '8',
                             '--vocab_size', '100', '--batch_size', '2', '--out_dir', str(tmp_path)])
-    path = hg.ensure_coreml_package(cfg, log=said.append)
+    path = export_ane.ensure_package(cfg, log=said.append)
     spec = tmp_path / 'ane_B2_T8.mlpackage' / 'Data' / 'com.apple.CoreML' / 'model.mlmodel'
     stamp = spec.stat().st_mtime_ns
-    assert hg.ensure_coreml_package(cfg, log=said.append) == path and len(said) == 1
+    assert export_ane.ensure_package(cfg, log=said.append) == path and len(said) == 1
     assert spec.stat().st_mtime_ns == stamp
     cfg.n_layer = 2  # same file name, other model: exported again
-    hg.ensure_coreml_package(cfg, log=said.append)
+    export_ane.ensure_package(cfg, log=said.append)
     assert 'other shapes' in said[1] and hg.CoreMLEngine(path).cfg.n_layer == 2
 
 
@@ -137,7 +138,7 @@ def test_program_without_biases(tmp_path):
     # exported with biases is refused for these weights
     cfg = hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16, bias=False)
     path = str(tmp_path / 'nobias.mlpackage')
-    hg.export_coreml(cfg, 2, 5, path)
+    export_ane.export_coreml(cfg, 2, 5, path)
     names = set(hg.dense_input_shapes(cfg, 2, 5))
     assert not any(hg.is_bias(n) for n in names) and 'h0_wq' in names and 'lnf_w' in names
     torch.manual_seed(0)
@@ -154,6 +155,6 @@ def test_program_without_biases(tmp_path):
         cos = torch.nn.functional.cosine_similarity(grads[k].double().flatten(), p.grad.flatten(), dim=0).item()
         assert cos >= 0.999, (k, cos)
     with_bias = str(tmp_path / 'bias.mlpackage')
-    hg.export_coreml(hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16), 2, 5, with_bias)
+    export_ane.export_coreml(hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16), 2, 5, with_bias)
     with pytest.raises(hg.UserError, match='export_ane.py'):
         hg.CoreMLEngine(with_bias, config=cfg)

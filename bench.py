@@ -1,0 +1,96 @@
+"""
+GPU-only, ANE-only and hetero side by side in one process, on the same batches from the
+same initial weights: the paper's table (tokens/s, x GPU-only, joules per token). As
+nanoGPT's bench.py, it is the training loop's meat without the rest.
+
+    python bench.py [any hetero_gpt.py flag] [--bench_iters 10] [--bench_repeats 3]
+"""
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+import hetero_gpt as hg
+
+
+@dataclass
+class BenchConfig(hg.Config):
+    bench_iters: int = hg.opt(10, "timed steps per mode and round (after >= 5 warm-up steps and 3 s)")
+    bench_repeats: int = hg.opt(3, "rounds: the modes take turns, each reports its median round")
+
+
+def bench(cfg, given):
+    """The modes take turns (gpu, ane, hetero, gpu, ...) for bench_repeats rounds and each
+    reports its median round, so a drift of the GPU's clocks touches every mode alike."""
+    if min(cfg.bench_iters, cfg.bench_repeats) < 1:
+        raise hg.UserError("--bench_iters and --bench_repeats must be at least 1")
+    device, dtype = hg.setup(cfg, given)
+    data = hg.load_data(cfg)
+    torch.manual_seed(cfg.seed)
+    init = hg.GPT(hg.model_config(cfg)).state_dict()
+    tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
+    runs, rounds, threads = {}, {}, {}
+    for mode in ('gpu', 'ane', 'hetero'):
+        model, optimizer, engines, step, meter = hg.build_run(cfg, device, dtype, mode)
+        model.load_state_dict(init)
+        runs[mode] = (optimizer, engines, step, meter)
+        threads[mode] = torch.get_num_threads()  # hetero with a CPU engine leaves a core free
+        rounds[mode] = dict(tok_s=[], joules=[], engine_s={}, step_s=[])
+
+    def sync():  # every engine's work done, so that a round's time holds all of it
+        hg.device_synchronize(device)
+        for _, engines, _, _ in runs.values():
+            for e in engines.values():
+                e.synchronize()
+
+    def train_step(mode, it):
+        _, _, step, _ = runs[mode]
+        torch.set_num_threads(threads[mode])
+        return step.update(step(hg.step_batches(cfg, data['train'], it)))
+
+    for mode in runs:  # warm-up: at least 5 steps and 3 seconds (clocks, allocator, the auto split)
+        w, start = 0, time.perf_counter()
+        while w < 5 or time.perf_counter() - start < 3.0:
+            train_step(mode, w)
+            w += 1
+    for r in range(cfg.bench_repeats):
+        for mode, (_, _, step, meter) in runs.items():
+            sync()
+            t0, j0 = time.perf_counter(), meter.joules()
+            for i in range(cfg.bench_iters):
+                t = time.perf_counter()
+                out = train_step(mode, 10**6 + r * cfg.bench_iters + i)  # the same batches in every mode
+                rounds[mode]['step_s'].append(time.perf_counter() - t)
+                for n, res in out['results'].items():
+                    rounds[mode]['engine_s'].setdefault(n, []).append(res['seconds'])
+            sync()
+            dt, j = time.perf_counter() - t0, meter.joules()
+            rounds[mode]['tok_s'].append(tok_per_step * cfg.bench_iters / dt)
+            rounds[mode]['joules'].append(None if j is None else j - j0)
+    rows = {}
+    n_tok = tok_per_step * cfg.bench_iters * cfg.bench_repeats
+    for mode, (_, engines, step, meter) in runs.items():
+        rd = rounds[mode]
+        rows[mode] = dict(tok_s=statistics.median(rd['tok_s']), rounds=[round(x) for x in rd['tok_s']],
+                          j_tok=None if None in rd['joules'] else sum(rd['joules']) / n_tok,
+                          split=f"{step.split.current(step.alive)}/{step.split.n}" if mode == 'hetero' else '-',
+                          engines=' + '.join(e.label for e in engines.values()), meter=meter.name,
+                          # where a step's time goes: each engine's share (in parallel), the whole step
+                          ms_step=1000 * statistics.median(rd['step_s']),
+                          ms_engines={n: round(1000 * statistics.median(v), 1) for n, v in rd['engine_s'].items()})
+        print(f"{mode}: {rows[mode]}")
+    g = rows['gpu']
+    print(f"\n{'mode':8} {'tokens/s':>10} {'x GPU-only':>10} {'J/token':>10} {'energy vs GPU':>14}  ANE share")
+    for mode, r in rows.items():
+        jt = f"{r['j_tok']:.4g}" if r['j_tok'] is not None else 'n/a'
+        dj = f"{100 * (r['j_tok'] / g['j_tok'] - 1):+.1f}%" if r['j_tok'] and g['j_tok'] else 'n/a'
+        print(f"{mode:8} {r['tok_s']:10.0f} {r['tok_s'] / g['tok_s']:10.3f} {jt:>10} {dj:>14}  {r['split']}")
+    s = rows['gpu']['tok_s'] + rows['ane']['tok_s']
+    print(f"hetero / (gpu + ane alone) = {rows['hetero']['tok_s'] / s:.3f} "
+          f"(medians of {cfg.bench_repeats} rounds of {cfg.bench_iters} steps per mode)")
+    return rows
+
+
+if __name__ == '__main__':
+    hg.main(run=bench, cls=BenchConfig)

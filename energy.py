@@ -1,0 +1,111 @@
+"""
+Energy meters for HeteroEngine: joules() is the energy used so far (None where nothing is
+readable). hetero_gpt.py logs joules per token with them; bench.py compares modes.
+powermetrics on macOS (ANE_NOTES section 6), NVML on NVIDIA GPUs, RAPL on Linux CPUs.
+"""
+import os
+import sys
+import threading
+
+ON_MAC = sys.platform == 'darwin'
+
+
+class NvmlMeter:
+    """NVIDIA GPUs: NVML's total-energy counter (millijoules), read through ctypes."""
+
+    def __init__(self, index=0):
+        import ctypes
+        self.ct = ctypes
+        self.lib = ctypes.CDLL('libnvidia-ml.so.1')
+        if self.lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit failed")
+        self.handle = ctypes.c_void_p()
+        if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0:
+            raise OSError(f"no NVML device {index}")
+        self.name = f"NVML (GPU {index})"
+        self.joules()
+
+    def joules(self):
+        mj = self.ct.c_ulonglong()
+        if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, self.ct.byref(mj)) != 0:
+            raise OSError("NVML energy counter unsupported")
+        return mj.value / 1000.0
+
+
+class RaplMeter:
+    """Linux CPUs: RAPL package counters in /sys/class/powercap (microjoules, wrapping)."""
+
+    def __init__(self):
+        root = '/sys/class/powercap'
+        self.zones = [os.path.join(root, z) for z in sorted(os.listdir(root))
+                      if z.count(':') == 1 and z.startswith('intel-rapl')]
+        if not self.zones:
+            raise OSError("no RAPL zones")
+        self.last = [self._read(z, 'energy_uj') for z in self.zones]  # raises if unreadable
+        self.wrap = [self._read(z, 'max_energy_range_uj') for z in self.zones]
+        self.total, self.name = 0.0, f"RAPL ({len(self.zones)} CPU packages)"
+
+    @staticmethod
+    def _read(zone, f):
+        with open(os.path.join(zone, f)) as fh:
+            return int(fh.read())
+
+    def joules(self):
+        for i, z in enumerate(self.zones):
+            now = self._read(z, 'energy_uj')
+            self.total += ((now - self.last[i]) % self.wrap[i]) / 1e6
+            self.last[i] = now
+        return self.total
+
+
+class PowermetricsMeter:
+    """macOS: CPU, GPU and ANE power sampled by powermetrics (needs root: sudo), integrated
+    over time in a background thread (ANE_NOTES section 6)."""
+
+    def __init__(self, interval_ms=200):
+        import re
+        import subprocess
+        self.proc = subprocess.Popen(
+            ['sudo', '-n', 'powermetrics', '--samplers', 'cpu_power,gpu_power,ane_power',
+             '-i', str(interval_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.dt, self.total, self.name = interval_ms / 1000, 0.0, "powermetrics (CPU+GPU+ANE)"
+        self.pattern = re.compile(r'^(CPU|GPU|ANE) Power: (\d+) mW')
+        first = threading.Event()
+
+        def reader():
+            for line in self.proc.stdout:
+                m = self.pattern.match(line)
+                if m:
+                    self.total += int(m.group(2)) / 1000 * self.dt
+                    first.set()
+        threading.Thread(target=reader, daemon=True).start()
+        if not first.wait(5):
+            self.proc.kill()
+            raise OSError("powermetrics gave no samples (run with sudo rights)")
+
+    def joules(self):
+        return self.total
+
+
+class EnergyMeter:
+    """The sum of every meter that works here: powermetrics on macOS, NVML for each CUDA
+    device in use, RAPL when any engine runs on the CPU."""
+
+    def __init__(self, devices):
+        self.meters, self.missing = [], []
+        kinds = []
+        if ON_MAC:
+            kinds.append(PowermetricsMeter)
+        for d in sorted({d for d in devices if d.type == 'cuda'}, key=str):
+            kinds.append(lambda i=(d.index or 0): NvmlMeter(i))
+        if any(d.type == 'cpu' for d in devices) and not ON_MAC:
+            kinds.append(RaplMeter)
+        for make in kinds:
+            try:
+                self.meters.append(make())
+            except Exception as e:
+                self.missing.append(f"{getattr(make, '__name__', 'NVML')}: {e}")
+        self.name = ' + '.join(m.name for m in self.meters) or 'none'
+
+    def joules(self):
+        return sum(m.joules() for m in self.meters) if self.meters else None

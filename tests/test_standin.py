@@ -1,0 +1,202 @@
+"""standin.py, the stand-in's fast paths: each fused piece and the whole step against fp64
+autograd (CPU, at test_grads.py's bounds), the CUDA graph, the engine on a second GPU and
+each attention kernel (skipped without CUDA, as in CI; on a GPU machine:
+python -m pytest -q tests/test_standin.py). And the reference without it: a copy of the
+project with standin.py deleted still trains in every mode and passes every other test."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import hetero_gpt as hg
+import test_grads as tg
+
+standin = pytest.importorskip('standin')  # absent in the copy made by test_every_mode_trains_without_standin
+FusedOps = standin.FusedOps
+CFG = hg.GPTConfig(block_size=32, vocab_size=20000, n_layer=2, n_head=2, n_embd=32)  # 2 vocab chunks
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- each fused piece at the derivation's own fp64 bound (test_grads.check_*)
+
+def test_fused_pieces():
+    tg.check_linear(FusedOps)
+    for bias in (True, False):
+        tg.check_layernorm(FusedOps, bias)
+        tg.check_qkv(FusedOps, bias)
+    tg.check_gelu(FusedOps)
+    tg.check_attention(FusedOps, 2, 5, 3)
+    tg.check_attention(FusedOps, 1, 8, 1)
+    tg.check_logsumexp(FusedOps)  # can fail: its +1000 offset overflows without the max
+    tg.check_lm_head_loss(FusedOps, 0)
+    tg.check_lm_head_loss(FusedOps, 5)
+
+
+@pytest.mark.parametrize('case', [tg.CONFIGS[0], tg.CONFIGS[2]], ids=[tg.IDS[0], tg.IDS[2]])
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_fused_kernels_model_grads(dtype, case):
+    # --fused_kernels: the same step with attention, layernorm, GELU, the bias adds, the
+    # stacked QKV matmul and log-sum-exp by PyTorch's fused kernels, every gradient against
+    # fp64 autograd at the same bounds as the derivation's own ops (with biases, and
+    # without: bias=False); bf16 (8 significant bits, fp16 has 11) by the fp16 cosine
+    params, idx, targets, ref_loss, ref = tg.autograd_reference(case['cfg'], case['B'], case['T'])
+    scale = 1024.0 if dtype == torch.float16 else 1.0
+    loss, grads = hg.manual_loss_and_grads(params, idx, targets, n_head=case['cfg'].n_head, dtype=dtype,
+                                           loss_scale=scale, ops=FusedOps)
+    half = dtype in (torch.float16, torch.bfloat16)
+    # loss: log-sum-exps of ~6 rounded to fp16 (relative 5e-4) or bf16 (4e-3), then averaged
+    assert abs(loss.item() - ref_loss) / ref_loss < (1e-2 if half else tg.TOL[dtype])
+    for k in ref:
+        assert torch.isfinite(grads[k]).all(), k
+        if half:
+            assert tg.cosine(grads[k], ref[k]) >= tg.FP16_MIN_COSINE, k
+        else:
+            assert tg.rel_err(grads[k], ref[k]) <= tg.TOL[dtype], k
+
+
+def test_trainer_takes_the_fast_engine_where_it_adds_something():
+    cpu = torch.device('cpu')
+    cfg, _ = hg.parse_args(['--fused_kernels'])
+    assert hg.eager_engine_class(cfg, cpu).func is standin.FastEagerEngine
+    assert hg.eager_engine_class(hg.parse_args([])[0], cpu) is hg.EagerEngine  # nothing to add on a CPU
+    eng = hg.eager_engine_class(cfg, cpu)(CFG, cpu, torch.float32, hg.LossScaler(1.0, 0, enabled=False))
+    assert isinstance(eng.o, FusedOps) and eng.stream is None and not eng.use_graph and 'fused' in eng.label
+
+
+# ---- without standin.py
+
+@pytest.mark.skipif(os.environ.get('HETERO_WITHOUT_STANDIN') == '1', reason="already the copy without it")
+def test_every_mode_trains_without_standin(tmp_path):
+    # the project's tracked files, standin.py left out, in a new folder: every mode trains
+    # there (a CLI run each) and every other test passes (this file's own are skipped)
+    files = subprocess.run(['git', 'ls-files'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if f != 'standin.py' and os.path.exists(os.path.join(ROOT, f)):
+            os.makedirs(tmp_path / os.path.dirname(f), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), tmp_path / f)
+    env = dict(os.environ, HETERO_WITHOUT_STANDIN='1', PYTHONPATH=str(tmp_path))
+    run = lambda *cmd: subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=env, capture_output=True, text=True)
+    with open(tmp_path / 'tiny.txt', 'w') as f:
+        f.write('\n'.join(f"line {i} of the king and the queen" for i in range(300)))
+    assert run('prepare_data.py', '--input', 'tiny.txt').returncode == 0
+    tiny = ['--dataset', 'tiny', '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16',
+            '--max_iters', '3', '--eval_iters', '1', '--sample_tokens', '0', '--quiet']
+    for mode in ('gpu', 'ane', 'hetero'):
+        r = run('hetero_gpt.py', *tiny, '--mode', mode, '--out_dir', f'out_{mode}')
+        assert r.returncode == 0 and 'val_loss' in r.stdout, (mode, r.stdout[-1000:], r.stderr[-2000:])
+    r = run('hetero_gpt.py', *tiny, '--mode', 'ane', '--fused_kernels', '--out_dir', 'out_fused')
+    assert r.returncode == 2 and 'needs standin.py' in r.stderr, r.stderr[-2000:]
+    r = run('-m', 'pytest', '-q', '-p', 'no:cacheprovider')
+    assert r.returncode == 0 and ' passed' in r.stdout and 'failed' not in r.stdout, r.stdout[-3000:]
+
+
+# ---- CUDA
+
+def model_and_batches(device, n, B=2, seed=0):
+    torch.manual_seed(seed)
+    model = hg.GPT(CFG).to(device)
+    mbs = [(torch.randint(0, CFG.vocab_size, (B, CFG.block_size)),
+            torch.randint(0, CFG.vocab_size, (B, CFG.block_size))) for _ in range(n)]
+    return model, mbs
+
+
+def close(a, b, rel):
+    return (a - b).abs().max() <= rel * b.abs().max()
+
+
+@cuda
+@pytest.mark.parametrize('fused', [False, True], ids=['derivation', 'fused kernels'])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+def test_cuda_graph_replays_the_eager_step(dtype, fused):
+    # the engine's graph against the eager derivation on the same weights and batch, for
+    # two batches, two loss scales (a new scale: a new graph) and weights changed between
+    # steps (the graph reads them from its buffers, so a new load_weights must show). Same
+    # kernels on the same data: fp32 to 1e-5 of the largest element (cuBLAS may pick
+    # another algorithm outside the capture), fp16 to 1e-2 (fp16 rounding over a few sums).
+    dev = torch.device('cuda')
+    model, mbs = model_and_batches(dev, 2)
+    eng = standin.FastEagerEngine(CFG, dev, dtype, hg.LossScaler(8.0, 1000), fused_kernels=fused)
+    params = dict(model.named_parameters())
+    rel = 1e-5 if dtype == torch.float32 else 1e-2
+    for step, scale in enumerate((8.0, 64.0)):
+        eng.scaler.scale = scale
+        eng.load_weights(params)
+        with eng.running():
+            outs = [eng.loss_and_grads(x, y) for x, y in mbs]  # the caller's own: the 2nd replay leaves the 1st
+        assert eng.graph is not None and eng.graph_key == ((2, CFG.block_size), scale)
+        for (x, y), (l, g) in zip(mbs, outs):
+            ref_l, ref_g = hg.manual_loss_and_grads(params, x, y, n_head=CFG.n_head, dtype=dtype, device=dev,
+                                                    loss_scale=scale, ops=FusedOps if fused else hg.TorchOps)
+            assert close(l, ref_l, rel), (step, l, ref_l)
+            for k in ref_g:
+                assert close(g[k], ref_g[k], rel), (step, k)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)
+
+
+@two_gpus
+def test_engine_on_a_second_gpu_gives_the_one_gpu_step():
+    # autograd on cuda:0 and the eager derivation (fp32, CUDA graph) on cuda:1, half of the
+    # microbatches each, against autograd alone on cuda:0: the same averaged gradient, to
+    # fp32 rounding over the two paths' different sums (1e-4 of the largest element)
+    a, mbs = model_and_batches('cuda:0', 4)
+    b, _ = model_and_batches('cuda:0', 4)
+    d0, d1 = torch.device('cuda:0'), torch.device('cuda:1')
+    het = hg.HeteroStep(a, {'gpu': hg.AutogradEngine(a, d0, torch.float32),
+                            'ane': standin.FastEagerEngine(CFG, d1, torch.float32,
+                                                           hg.LossScaler(1.0, 0, enabled=False))}, hg.Split(4, '0.5'))
+    one = hg.HeteroStep(b, {'gpu': hg.AutogradEngine(b, d0, torch.float32)}, hg.Split(4, '0'))
+    for step in range(2):  # the second step reuses the engine's buffers and graph
+        out_h, out_1 = het(mbs), one(mbs)
+        assert out_h['used'] == ['ane', 'gpu'] and abs(out_h['loss'] - out_1['loss']) < 1e-5 * out_1['loss']
+        for (k, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+            assert pa.grad.device == d0 and close(pa.grad, pb.grad, 1e-4), (step, k)
+        for m in (a, b):
+            torch.optim.SGD(m.parameters(), lr=0.1).step()
+            m.zero_grad(set_to_none=True)
+
+
+KERNELS = {'flash': SDPBackend.FLASH_ATTENTION, 'efficient': SDPBackend.EFFICIENT_ATTENTION,
+           'cudnn': SDPBackend.CUDNN_ATTENTION}
+
+
+@cuda
+@pytest.mark.parametrize('dtype,kernel', [(torch.float32, 'efficient')] + [
+    (d, k) for d in (torch.bfloat16, torch.float16) for k in ('flash', 'efficient', 'cudnn')])
+def test_fused_kernels_on_cuda(dtype, kernel):
+    # the CUDA kernels (each attention kernel pair that scaled_dot_product_attention may
+    # pick, forced here one at a time; layernorm, GELU, log-sum-exp, the bias add in the
+    # matmul) inside the whole step, against fp64 autograd on the CPU: fp32 to its bound
+    # of test_grads.py (1e-4 relative), fp16/bf16 by cosine >= 0.999 per tensor as the
+    # fp16 test there
+    q = torch.randn(2, CFG.n_head, CFG.block_size, CFG.n_embd // CFG.n_head, dtype=dtype, device='cuda',
+                    requires_grad=True)
+    with sdpa_kernel([KERNELS[kernel]]):
+        try:  # with only that kernel allowed, the dispatcher raises where it cannot run
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        except RuntimeError:
+            pytest.skip(f"{kernel} attention does not take these {dtype} tensors on this GPU")
+    model, [(x, y)] = model_and_batches('cpu', 1)
+    model = model.double()
+    _, loss = model(x, y)
+    loss.backward()
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    scale = 1024.0 if dtype == torch.float16 else 1.0
+    with sdpa_kernel([KERNELS[kernel]]):  # only that kernel pair: the fp64 reference above ran outside
+        l, g = hg.manual_loss_and_grads(params, x, y, n_head=CFG.n_head, dtype=dtype, device='cuda',
+                                        loss_scale=scale, ops=FusedOps)
+    assert abs(l.item() - loss.item()) < 1e-2 * loss.item()
+    for k, p in model.named_parameters():
+        ref, got = p.grad, g[k].double().cpu()
+        assert torch.isfinite(got).all(), k
+        if dtype == torch.float32:
+            assert close(got, ref, 1e-4), k
+        else:
+            assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) >= 0.999, k
