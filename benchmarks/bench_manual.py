@@ -5,12 +5,16 @@ GPT-2 124M, batch 12 x 1024 by default; 3 warm-up and 10 timed steps each, media
 
     python benchmarks/bench_manual.py            # on a CUDA GPU
 
-Eager rows for fp32, bf16 and fp16; then, for --compiled dtypes, both sides under
-torch.compile (autograd: the compiled model; manual: the derivation's pieces compiled by
-TorchOps.fused, as `--compile` does for the eager engine).
-Then rows with --fused_kernels and with the step replayed as a CUDA graph (as the hetero
-engine runs it). Peak memory is what one step allocates above the weights (torch.cuda.max_memory_allocated
-after reset, minus what was allocated before the step).
+Rows, each beside autograd eager in the same precision (fp32, bf16, fp16):
+  written out       the reference derivation (hetero_gpt.TorchOps), as the Core ML program records it
+  fused             standin.FusedOps: the pieces by PyTorch's fused kernels through public APIs
+  fused, private    the same with attention and layernorm through the private entry points
+                    (torch.ops.aten._scaled_dot_product_*, native_layer_norm): the comparison
+                    that decides whether a private entry point earns a place in standin.py
+  + CUDA graph      standin.FastEagerEngine: the step replayed as one CUDA graph, as hetero runs it
+and, for --compiled dtypes, both sides under torch.compile (the written-out derivation).
+Peak memory is what one step allocates above the weights (max_memory_allocated after a
+reset, minus what was allocated before the step; a graph's pool is added to its row).
 """
 import argparse
 import os
@@ -22,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hetero_gpt as hg  # noqa: E402
+import standin  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument('--batch_size', type=int, default=12)
@@ -30,8 +35,53 @@ p.add_argument('--n_layer', type=int, default=12)
 p.add_argument('--n_embd', type=int, default=768)
 p.add_argument('--n_head', type=int, default=12)
 p.add_argument('--iters', type=int, default=10)
-p.add_argument('--compiled', default='bfloat16,float16', help="dtypes to also time compiled ('' for none)")
+p.add_argument('--dtypes', default='float32,bfloat16,float16')
+p.add_argument('--compiled', default='bfloat16', help="dtypes to also time compiled ('' for none)")
 a = p.parse_args()
+
+
+class PrivateOps(standin.FusedOps):
+    """FusedOps with attention and layernorm by their private ATen entry points, called by
+    hand (the kernel pair the dispatcher would pick for training), for comparison only."""
+
+    def layernorm_forward(self, x, w, b, eps=1e-5):
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], w, b, eps)
+        return y, (x, b, mean, rstd)
+
+    def layernorm_backward(self, dy, w, cache):
+        x, b, mean, rstd = cache
+        return torch.ops.aten.native_layer_norm_backward(dy, x, [x.shape[-1]], mean, rstd, w, b,
+                                                         [True, True, b is not None])
+
+    def attention_forward(self, q, k, v, B, T, H):
+        q, k, v = self.heads(q, B, T, H), self.heads(k, B, T, H), self.heads(v, B, T, H)
+        with torch.enable_grad():  # as for training: the dispatcher checks the backward too
+            kernel = torch._fused_sdp_choice(q.detach().requires_grad_(), k, v, None, 0.0, True)
+        if kernel == torch.nn.attention.SDPBackend.CUDNN_ATTENTION.value:
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True)
+        elif kernel == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
+        else:
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
+        return self.merge_heads(out[0], B, T), (kernel, q, k, v, out)
+
+    def attention_backward(self, dy, cache, B, T, H):
+        kernel, q, k, v, out = cache
+        dy, y = self.heads(dy, B, T, H), out[0]
+        if kernel == torch.nn.attention.SDPBackend.CUDNN_ATTENTION.value:
+            lse, cq, ck, mq, mk, seed, off = out[1:8]
+            g = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dy, q, k, v, y, lse, seed, off, None, cq, ck, mq, mk, 0.0, True)
+        elif kernel == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value:
+            lse, cq, ck, mq, mk, seed, off = out[1:8]
+            g = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dy, q, k, v, y, lse, cq, ck, mq, mk, 0.0, True, seed, off)
+        else:
+            lse, seed, off = out[1:4]
+            g = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                dy, q, k, v, None, y, lse, seed, off, 0.0, [True, True, True, False], True)[:3]
+        return tuple(self.merge_heads(t, B, T) for t in g)
+
 
 device = torch.device('cuda')
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -72,22 +122,21 @@ def autograd(dtype, compile=False):
     return fn
 
 
-def manual(dtype, scale, compile=False, fused=False):
+def manual(dtype, scale, ops=hg.TorchOps, compile=False):
     w = {k: v.detach().to(dtype) for k, v in params.items()}  # the engine's weight buffers
-    return lambda: hg.eager_loss_and_grads(cfg, w, x, y, dtype, device, scale, compile, fused)[1]
+    o = ops(dtype, device, compile)
+    return lambda: hg.eager_loss_and_grads(o, cfg, w, x, y, scale)[1]
 
 
 def graphed(dtype, scale, fused):
-    """The eager engine as hetero mode runs it on CUDA: its step captured once as a CUDA
-    graph and replayed. Replays allocate nothing: the graph's pool was filled at capture,
-    before measure() takes its baseline, so the capture's peak above the weight buffer is
-    added to the row's peak (fn.held)."""
+    """The eager engine as hetero mode runs it on CUDA: captured once, replayed. Replays
+    allocate nothing: the capture's peak above the weight buffer is added (fn.held)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    eng = hg.EagerEngine(cfg, device, dtype, hg.LossScaler(scale, 10**9), graph_shape=(a.batch_size, a.block_size),
-                         fused_kernels=fused)
+    eng = standin.FastEagerEngine(cfg, device, dtype, hg.LossScaler(scale, 10**9), fused_kernels=fused)
     eng.load_weights(params)
+    eng.loss_and_grads(x, y)  # captures
     torch.cuda.synchronize()
     fn = lambda: eng.loss_and_grads(x, y)[1]
     fn.held = torch.cuda.max_memory_allocated() - before - eng.flat.numel() * eng.flat.element_size()
@@ -97,29 +146,29 @@ def graphed(dtype, scale, fused):
 names = {torch.float32: 'fp32 (TF32 matmuls)', torch.bfloat16: 'bf16 (autograd: autocast; manual: bf16 weights)',
          torch.float16: 'fp16 (autograd: autocast; manual: fp16, loss scale 1024)'}
 scales = {torch.float32: 1.0, torch.bfloat16: 1.0, torch.float16: 1024.0}
-# each row: (name, make autograd's step, make the manual step), made when the row is measured
-rows = [(name, lambda d=d: autograd(d), lambda d=d: manual(d, scales[d])) for d, name in names.items()]
-for fused in (False, True):  # compiled, with every piece spelled out or by PyTorch's fused kernels
-    rows += [(names[d] + ', both compiled' + (', manual: fused kernels' if fused else ''),
-              lambda d=d: autograd(d, True), lambda d=d, f=fused: manual(d, scales[d], True, f))
-             for d in (getattr(torch, n) for n in a.compiled.split(',') if n)]
-# --fused_kernels (every piece PyTorch has a fused kernel for: TorchOps.fused_kernels), eager and as
-# the CUDA graph the hetero engine replays; autograd eager beside each
-for tag, make in ((', manual: fused kernels', lambda d: manual(d, scales[d], fused=True)),
-                  (', manual: fused kernels + CUDA graph', lambda d: graphed(d, scales[d], True)),
-                  (', manual: CUDA graph', lambda d: graphed(d, scales[d], False))):
-    rows += [(names[d] + tag, lambda d=d: autograd(d), lambda d=d, make=make: make(d)) for d in names]
+dtypes = [getattr(torch, n) for n in a.dtypes.split(',')]
+variants = {'written out': lambda d: manual(d, scales[d]),
+            'fused': lambda d: manual(d, scales[d], standin.FusedOps),
+            'fused, private': lambda d: manual(d, scales[d], PrivateOps),
+            'fused + CUDA graph': lambda d: graphed(d, scales[d], True)}
+rows = [(f"{names[d]}, manual: {tag}", lambda d=d: autograd(d), lambda d=d, m=make: m(d))
+        for d in dtypes for tag, make in variants.items()]
+rows += [(f"{names[d]}, both compiled (manual: written out)", lambda d=d: autograd(d, True),
+          lambda d=d: manual(d, scales[d], compile=True)) for d in (getattr(torch, n) for n in a.compiled.split(',') if n)]
 print(f"GPT-2 {sum(q.numel() for q in params.values()) / 1e6:.1f}M, batch {a.batch_size} x {a.block_size}, "
-      f"{torch.cuda.get_device_name()}")
-print("| precision | autograd tok/s | manual tok/s | manual/autograd | autograd peak GiB | manual peak GiB |")
+      f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+print("| precision, variant | autograd tok/s | manual tok/s | manual/autograd | autograd peak GiB | manual peak GiB |")
 print("|---|---|---|---|---|---|")
 for name, make_ag, make_mn in rows:
-    ag = make_ag()
-    ta, ma = measure(ag)
-    del ag
-    mn = make_mn()  # after autograd's row: a CUDA graph's pool is not held while autograd runs
-    tm, mm = measure(mn)
-    mm += getattr(mn, 'held', 0) / 2**30
-    del mn
+    try:
+        ag = make_ag()
+        ta, ma = measure(ag)
+        del ag
+        mn = make_mn()  # after autograd's row: a CUDA graph's pool is not held while autograd runs
+        tm, mm = measure(mn)
+        mm += getattr(mn, 'held', 0) / 2**30
+        del mn
+        print(f"| {name} | {ta:,.0f} | {tm:,.0f} | {tm / ta:.2f}x | {ma:.2f} | {mm:.2f} |", flush=True)
+    except Exception as e:  # a row that cannot run here says why; the others still run
+        print(f"| {name} | failed: {e!r} |", flush=True)
     torch.cuda.empty_cache()
-    print(f"| {name} | {ta:,.0f} | {tm:,.0f} | {tm / ta:.2f}x | {ma:.2f} | {mm:.2f} |", flush=True)

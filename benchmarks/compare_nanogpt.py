@@ -27,7 +27,7 @@ p.add_argument('--settings', default='float32,bfloat16,bfloat16+compile', help='
 p.add_argument('--rounds', type=int, default=1,
                help='nanoGPT and ours take turns this many times; a cell is the median of its rounds')
 p.add_argument('--like_for_like', action='store_true',
-               help='only bias=False against --bias False (no rows with biases, no host-check variant)')
+               help='only bias=False against --bias False (no rows with biases)')
 a = p.parse_args()
 pat = re.compile(r'time per iteration: ([\d.]+)ms')
 
@@ -52,8 +52,6 @@ for setting in a.settings.split(','):
     ours = lambda bias, *more: run([sys.executable, os.path.join(here, 'bench_gpu.py'), '--dtype', dtype, '--bias', bias]
                                    + (['--compile'] if compile else []) + list(more))
     cells = {'nanoGPT': lambda: nano(False), 'ours': lambda: ours('False')}
-    if not a.like_for_like and dtype == 'bfloat16' and not compile:  # the cost of waiting on the host for the finiteness check
-        cells['ours, host check'] = lambda: ours('False', '--host_check')
     if not a.like_for_like and not compile:  # bench.py compiles the same way either way
         cells |= {'nanoGPT bias': lambda: nano(True), 'ours bias': lambda: ours('True')}
     times = {k: [] for k in cells}
@@ -61,7 +59,10 @@ for setting in a.settings.split(','):
         for k, fn in cells.items():
             times[k].append(fn())
     r = {'nanoGPT bias': None, 'ours bias': None} | {k: median(v) for k, v in times.items()}
-    rows.append((f"{dtype}{' + compile' if compile else ' eager'}", r))
+    # the noise this run measures: the spread of each program's own rounds around their median
+    ok = {k: [t for t in v if t] for k, v in times.items()}
+    spread = {k: (max(v) - min(v)) / median(v) for k, v in ok.items() if len(v) > 1}
+    rows.append((f"{dtype}{' + compile' if compile else ' eager'}", r, spread))
     if a.rounds > 1:
         print(f"{setting}: ms/iter per round: {times}", flush=True)
 
@@ -71,10 +72,9 @@ ratio = lambda x, y: f"{x / y:.3f}" if x and y else '-'
 print("\nms/iter (tokens/s); ratio = ours / nanoGPT, at most 1 is the goal")
 print("| setting | nanoGPT bench.py (bias=False) | ours, --bias False | ratio | nanoGPT --bias=True | ours (GPT-2, biases) | ratio |")
 print("|---|---|---|---|---|---|---|")
-for name, r in rows:
+for name, r, _ in rows:
     print(f"| {name} | {cell(r['nanoGPT'])} | {cell(r['ours'])} | {ratio(r['ours'], r['nanoGPT'])} "
           f"| {cell(r['nanoGPT bias'])} | {cell(r['ours bias'])} | {ratio(r['ours bias'], r['nanoGPT bias'])} |")
-for name, r in rows:
-    if 'ours, host check' in r:
-        print(f"{name}, ours --bias False with the finiteness check read on the host before AdamW: "
-              f"{cell(r['ours, host check'])}, ratio {ratio(r['ours, host check'], r['nanoGPT'])}")
+for name, r, spread in rows:
+    if spread:
+        print(f"{name}: rounds' spread (max - min) / median: " + ', '.join(f"{k} {100 * v:.1f}%" for k, v in spread.items()))

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 5 (and the one-GPU variant of issue 7) on the H200: `python hetero_gpt.py --bench`
+# Hetero on H200s: `python bench.py` (gpu, ane and hetero side by side)
 #  A: autograd on CUDA (bf16) + the eager derivation on the 16 CPU cores (fp32)
 #  B: autograd (bf16) + the eager derivation (fp16, the ANE's precision) on one GPU, two streams
-#  C (issue 7, needs 2 GPUs): the same as B with the eager engine on the second GPU
+#  C (needs 2 GPUs): the same as B with the eager engine on the second GPU
 # CASES="A B" (default) picks which to run; CASES=C on the 2 x H200 machine (SPLITS: the
 # microbatch shapes it benches; CURVE=0 skips its 50-step loss comparison).
 set -uo pipefail
@@ -10,26 +10,26 @@ export PYTHONUNBUFFERED=1
 python3 -c "import tqdm, pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 nproc
-common="--bench --dataset shakespeare --device cuda --quiet"
+common="--dataset shakespeare --device cuda --quiet"
 if [[ " ${CASES:-A B} " == *" A "* ]]; then
   echo "== A: CUDA + CPU, GPT-2 124M"
-  timeout 170 python3 hetero_gpt.py $common --ane_device cpu --ane_dtype float32 --batch_size 1 --block_size 1024 \
+  timeout 170 python3 bench.py $common --ane_device cpu --ane_dtype float32 --batch_size 1 --block_size 1024 \
       --gradient_accumulation_steps 4 --bench_iters 8
 fi
 if [[ " ${CASES:-A B} " == *" B "* ]]; then
   echo "== B: one GPU, two streams, GPT-2 124M"
-  timeout 150 python3 hetero_gpt.py $common --ane_device cuda --ane_dtype float16 --batch_size 4 --block_size 1024 \
+  timeout 150 python3 bench.py $common --ane_device cuda --ane_dtype float16 --batch_size 4 --block_size 1024 \
       --gradient_accumulation_steps 8
 fi
 if [[ " ${CASES:-A B} " == *" C "* ]]; then
   echo "== C: two GPUs, GPT-2 124M"
   nvidia-smi -L; nvidia-smi topo -m
-  # the CUDA-only tests first (a CUDA graph of the eager step, an engine on the second GPU)
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -n 5
+  # the CUDA tests first (a CUDA graph of the eager step, an engine on the second GPU)
+  python3 -m pytest -q -p no:cacheprovider tests/test_standin.py -k "not without_standin" 2>&1 | tail -n 5
   # the same 32768 tokens a step as 4 x 8 and as 2 x 16 microbatches: the split is a whole
   # number of microbatches, so finer ones let it come closer to the engines' speed ratio
   for bxa in ${SPLITS:-4x8 2x16}; do
-    timeout 200 python3 hetero_gpt.py $common --device cuda:0 --ane_device cuda:1 --ane_dtype float16 \
+    timeout 200 python3 bench.py $common --device cuda:0 --ane_device cuda:1 --ane_dtype float16 \
         --batch_size ${bxa%x*} --block_size 1024 --gradient_accumulation_steps ${bxa#*x} --bench_iters 10
   done
   # the split's convergence and the loss curve against GPU-only, step by step (same seed, same batches)

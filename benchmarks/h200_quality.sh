@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6 on the H200: GPU-only, ANE-only and hetero, GPT-2 124M on Shakespeare, context 256,
+# On an H200: GPU-only, ANE-only and hetero, GPT-2 124M on Shakespeare, context 256,
 # 200 steps of 8 x 256 x 4 tokens, half of each step's microbatches on the "ANE" in hetero
 # (the eager derivation in fp16 on the same GPU, its own CUDA stream). FLAGS: the learning
 # rate and anything else to add. SEED_GROUPS: seed lists, one compare.py process each, placed on

@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hetero_gpt as hg  # noqa: E402
+import standin  # noqa: E402
 from benchmarks.cuda_timing import timeit  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -37,8 +38,11 @@ def autograd():
     loss.backward()
 
 
+ops = standin.FusedOps(dtype, dev)
+
+
 def manual():
-    return hg.eager_loss_and_grads(cfg, w, x, y, dtype, dev, scale, fused_kernels=True)
+    return hg.eager_loss_and_grads(ops, cfg, w, x, y, scale)
 
 
 timeit('autograd forward+backward', autograd)
