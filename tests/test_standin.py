@@ -200,3 +200,43 @@ def test_fused_kernels_on_cuda(dtype, kernel):
             assert close(got, ref, 1e-4), k
         else:
             assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) >= 0.999, k
+
+
+# ---- the deferred finiteness check (GPU-only with fused AdamW; here on the CPU's fused AdamW)
+
+def deferred_step(value, n=2):
+    from test_train import FakeEngine, const_grads, microbatches, tiny_model
+    model = tiny_model()
+    eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, value))}
+    eng['gpu'].scaler = hg.LossScaler(1.0, 0, enabled=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    return model, opt, standin.DeferredStep(model, eng, hg.Split(n, '0'), optimizer=opt), microbatches(n)
+
+
+def test_deferred_check_skips_a_nonfinite_step_on_the_device():
+    # the host does not wait for the check before the update; AdamW gets it as found_inf and
+    # skips the bad step itself. Afterwards the host knows what it would have known:
+    # skipped, counted, loss nan, AdamW's step count not advanced
+    model, opt, step, mbs = deferred_step(float('inf'))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    out = step(mbs)
+    assert 'pending' in out and step.skipped == 0  # not read yet
+    step.update(out, grad_clip=1.0)
+    assert out['used'] == [] and out['loss'] != out['loss'] and step.skipped == 1 and step.dropped['gpu'] == 1
+    for k, p in model.named_parameters():
+        assert torch.equal(p, before[k]) and p.grad is None, k
+        assert opt.state[p]['step'].item() == 0
+
+
+def test_deferred_check_updates_as_the_host_check_does():
+    # the same finite step deferred and through HeteroStep's host check (the same optimizer):
+    # bit-identical weights, the same loss
+    results = []
+    for cls in (standin.DeferredStep, hg.HeteroStep):
+        model, opt, _, mbs = deferred_step(0.5, 3)
+        step = cls(model, _.engines, hg.Split(3, '0'), optimizer=opt)
+        out = step.update(step(mbs), grad_clip=0.1)
+        assert out['used'] == ['gpu'] and out['loss'] == 2.0 and 'pending' not in out
+        assert out['results']['gpu']['finite'] is True and out['results']['gpu']['seconds'] >= 0
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
