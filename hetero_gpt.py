@@ -722,14 +722,9 @@ def manual_loss_and_grads(params, idx, targets, *, n_head, dtype=torch.float32, 
     return eager_loss_and_grads(ops(dtype, device), cfg, w, idx.to(device), targets.to(device), loss_scale)
 
 
-def all_finite(grads):
-    """Whether every gradient is finite, as a 0-d bool tensor on their device (no wait):
-    one fused pass (a norm is finite exactly when every element is)."""
-    return torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all()
-
-
 def grads_finite(grads):
-    return bool(all_finite(grads))
+    """Whether every gradient is finite: one fused pass (a norm is finite iff all are)."""
+    return bool(torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all())
 
 # -----------------------------------------------------------------------------
 # 4. The Core ML program: the same dense_step, recorded by coremltools' MIL builder.
@@ -1062,31 +1057,25 @@ class Split:
         self.k, self.sec, self.steps = s['k'], s['sec'], s['steps']
 
 
-def engine_sums(engine, microbatches, enqueued=None):
-    """(gradient sums, loss sum, finite): one engine's forward+backward of each microbatch,
-    summed, left on its device (no wait). finite: a 0-d bool tensor."""
-    acc, loss = None, 0.0
-    with engine.running():  # (standin.py's engine: its own CUDA stream, sums included)
-        for i, (idx, targets) in enumerate(microbatches):
-            l, g = engine.loss_and_grads(idx, targets)
-            if acc is None:
-                acc = g  # every call returns tensors of its own: the sums go into the first
-            else:
-                torch._foreach_add_(list(acc.values()), list(g.values()))  # one launch
-            loss = loss + l.float()
-            if enqueued is not None and i == 0:
-                enqueued.set()
-        return acc, loss, all_finite(acc | {'loss': loss.reshape(1)})
-
-
 def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
-    """Thread body: engine_sums into `out`, read by the host (one wait for the device)."""
+    """Thread body: forward+backward of each microbatch, gradients summed into `out`."""
     try:
         if wait_for is not None:
             wait_for.wait(timeout=60)
         t0 = time.perf_counter()
-        acc, loss, finite = engine_sums(engine, microbatches, enqueued)
-        out.update(grads=acc, loss=float(loss), finite=bool(finite), n=len(microbatches),
+        acc, loss = None, 0.0
+        with engine.running():  # (standin.py's engine: its own CUDA stream, sums included)
+            for i, (idx, targets) in enumerate(microbatches):
+                l, g = engine.loss_and_grads(idx, targets)
+                if acc is None:
+                    acc = g  # every call returns tensors of its own: the sums go into the first
+                else:
+                    torch._foreach_add_(list(acc.values()), list(g.values()))  # one launch
+                loss = loss + l.float()  # a tensor: no wait for the device until the end
+                if enqueued is not None and i == 0:
+                    enqueued.set()
+            finite = grads_finite(acc | {'loss': loss.reshape(1)})  # the one wait for the device
+        out.update(grads=acc, loss=float(loss), finite=finite, n=len(microbatches),
                    seconds=time.perf_counter() - t0)
     except Exception as e:  # reported by the caller; training goes on with the other engine
         out['error'] = e
@@ -1320,24 +1309,17 @@ def save_checkpoint(path, obj):
     os.replace(tmp, path)
 
 
-def fast_paths():
-    """standin.py, the off-Mac fast paths, or None where that file is absent: every mode
-    runs without it. The one place this file imports it."""
-    try:
-        import standin
-        return standin
-    except ImportError:
-        return None
-
-
 def eager_engine_class(cfg, device):
     """The eager stand-in's class: standin.py's (fused kernels, CUDA graph, own stream)
-    where it exists and has something to add, else this file's plain one."""
-    fast = fast_paths()
-    if fast is None and cfg.fused_kernels:
-        raise UserError("--fused_kernels needs standin.py (the stand-in's fast paths), which is absent")
-    if fast is not None and (cfg.fused_kernels or device.type == 'cuda'):
-        return functools.partial(fast.FastEagerEngine, fused_kernels=cfg.fused_kernels)
+    where that file exists and has something to add, else this file's plain one."""
+    try:
+        import standin  # the one place this file imports it: every mode runs without it
+    except ImportError:
+        if cfg.fused_kernels:
+            raise UserError("--fused_kernels needs standin.py (the stand-in's fast paths), which is absent")
+        return EagerEngine
+    if cfg.fused_kernels or device.type == 'cuda':
+        return functools.partial(standin.FastEagerEngine, fused_kernels=cfg.fused_kernels)
     return EagerEngine
 
 
@@ -1372,10 +1354,7 @@ def build_run(cfg, device, dtype, mode, log=print):
     engines = build_engines(cfg, model, device, dtype, mode, log)
     split = Split(cfg.gradient_accumulation_steps, {'gpu': '0', 'ane': '1', 'hetero': cfg.ane_fraction}[mode])
     meter = energy.EnergyMeter({device} | {e.device for e in engines.values()})
-    fast = fast_paths()
-    step = (fast.DeferredStep if fast is not None and device.type == 'cuda' else HeteroStep)(
-        model, engines, split, log=log, optimizer=optimizer)
-    return model, optimizer, engines, step, meter
+    return model, optimizer, engines, HeteroStep(model, engines, split, log=log, optimizer=optimizer), meter
 
 
 def setup(cfg, given, log=print):

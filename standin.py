@@ -16,14 +16,8 @@ FastEagerEngine the eager engine with its step captured once as a CUDA graph and
                 leaves the GIL to the GPU engine's thread), on its own CUDA stream (so it
                 overlaps the autograd engine's work on the same GPU instead of queueing
                 behind it), and with one flat copy of the weights to another GPU.
-DeferredStep    GPU-only on CUDA with fused AdamW (one engine, no loss scale): the host does
-                not wait for the finiteness check before the update. The check stays on the
-                device, fused AdamW skips a bad step by it, and the host reads the loss and
-                the flag once the update is queued, so the GPU is not idle while Python
-                launches AdamW (benchmarks/RESULTS.md: what it is worth on an H200).
 """
 import contextlib
-import time
 
 import torch
 import torch.nn.functional as F
@@ -175,55 +169,3 @@ class FastEagerEngine(hg.EagerEngine):
             loss, grads = self.g_out
             return loss.clone(), {k: v.clone() for k, v in grads.items()}
 
-
-class DeferredStep(hg.HeteroStep):
-    """HeteroStep whose one-engine, unscaled, fused-AdamW steps leave the finiteness check
-    on the device; every other step is HeteroStep's own."""
-
-    def __call__(self, microbatches):
-        if not (self.alive == {'gpu'} and not self.engines['gpu'].scaler.enabled
-                and self.optimizer is not None and self.optimizer.defaults.get('fused')):
-            return super().__call__(microbatches)
-        self.split.assign(self.alive)
-        t0, n = time.perf_counter(), len(microbatches)
-        acc, loss, finite = hg.engine_sums(self.engines['gpu'], microbatches)
-        grads = [acc[k] for k in self.params]
-        if n > 1:
-            torch._foreach_div_(grads, float(n))
-        for p, g in zip(self.params.values(), grads):
-            p.grad = g.to(p.dtype)
-        # the loss and the flag start on their way to the host now, before the update
-        flags = torch.stack([loss.float(), finite.float()])
-        host = torch.empty(flags.shape, pin_memory=flags.is_cuda)
-        host.copy_(flags, non_blocking=True)
-        done = torch.cuda.Event() if flags.is_cuda else None
-        if done is not None:
-            done.record()
-        return dict(used=['gpu'], results={'gpu': dict(n=n)}, pending=(t0, ~finite, host, done))
-
-    def update(self, out, grad_clip=0.0):
-        if 'pending' not in out:
-            return super().update(out, grad_clip)
-        t0, found_inf, host, done = out.pop('pending')
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params.values(), grad_clip)
-        # fused AdamW skips its update where found_inf is 1 (the contract torch.amp.GradScaler
-        # uses to hand it over, without a wait for the host)
-        self.optimizer.found_inf = found_inf.float()
-        try:
-            self.optimizer.step()
-        finally:
-            del self.optimizer.found_inf
-        self.optimizer.zero_grad(set_to_none=True)
-        if done is not None:
-            done.synchronize()  # the backward and the check, not the update queued behind them
-        loss, finite = host.tolist()
-        r = out['results']['gpu']
-        r.update(loss=loss, finite=finite == 1.0, seconds=time.perf_counter() - t0)
-        if r['finite']:
-            out['loss'] = loss / r['n']
-        else:
-            self.dropped['gpu'] += 1
-            self.skipped += 1
-            out.update(loss=float('nan'), used=[])
-        return out

@@ -1,7 +1,7 @@
 """
 The GPU engine's training step at nanoGPT's bench.py settings: GPT-2 124M, batch 12 x 1024,
 10 warm-up and 20 timed steps (forward, backward, AdamW), as hetero_gpt.py trains it
-(AutogradEngine + standin.DeferredStep + fused AdamW; --host_check: HeteroStep's own). Prints ms/iter (mean over the timed steps,
+(AutogradEngine + HeteroStep + fused AdamW). Prints ms/iter (mean over the timed steps,
 as bench.py does, and the median step) and tokens/s.
 
     python benchmarks/bench_gpu.py --dtype bfloat16 --compile
@@ -16,7 +16,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hetero_gpt as hg  # noqa: E402
-import standin  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument('--dtype', default='bfloat16')
@@ -25,8 +24,6 @@ p.add_argument('--vocab_size', type=int, default=50257)
 p.add_argument('--batch_size', type=int, default=12)
 p.add_argument('--block_size', type=int, default=1024)
 p.add_argument('--bias', default='True', help="False: nanoGPT's bias=False (its bench.py default)")
-p.add_argument('--host_check', action='store_true',
-               help="HeteroStep's own step: the host reads the finiteness check before AdamW (no standin.DeferredStep)")
 a = p.parse_args()
 
 cfg, _ = hg.parse_args(['--device', 'cuda', '--dtype', a.dtype, '--vocab_size', str(a.vocab_size),
@@ -36,8 +33,7 @@ device, dtype = hg.setup(cfg, set())
 torch.manual_seed(1337)
 model = hg.GPT(hg.model_config(cfg)).to(device)
 optimizer = hg.make_optimizer(model, cfg, device)
-step = (hg.HeteroStep if a.host_check else standin.DeferredStep)(
-    model, hg.build_engines(cfg, model, device, dtype, 'gpu'), hg.Split(1, '0'), optimizer=optimizer)
+step = hg.HeteroStep(model, hg.build_engines(cfg, model, device, dtype, 'gpu'), hg.Split(1, '0'), optimizer=optimizer)
 x = torch.randint(a.vocab_size, (a.batch_size, a.block_size), device=device)
 y = torch.randint(a.vocab_size, (a.batch_size, a.block_size), device=device)
 times = []
@@ -50,6 +46,6 @@ for k in range(30):
 timed = times[10:]
 ms = 1000 * sum(timed) / len(timed)
 print(f"heterogpt dtype={a.dtype} compile={a.compile} vocab={a.vocab_size} bias={a.bias} "
-      f"host_check={a.host_check}: time per iteration: {ms:.4f}ms "
+      f": time per iteration: {ms:.4f}ms "
       f"(median {1000 * statistics.median(timed):.4f}ms), {a.batch_size * a.block_size / (ms / 1000):.0f} tokens/s, "
       f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")

@@ -11,7 +11,8 @@ Rows, each beside autograd eager in the same precision (fp32, bf16, fp16):
   fused, private    the same with attention and layernorm through the private entry points
                     (torch.ops.aten._scaled_dot_product_*, native_layer_norm): the comparison
                     that decides whether a private entry point earns a place in standin.py
-  + CUDA graph      standin.FastEagerEngine: the step replayed as one CUDA graph, as hetero runs it
+  + CUDA graph      standin.FastEagerEngine: the step replayed as one CUDA graph, as hetero runs
+                    it on CUDA (no Python in the replay: what remains is the kernels' time)
 and, for --compiled dtypes, both sides under torch.compile (the written-out derivation).
 Peak memory is what one step allocates above the weights (max_memory_allocated after a
 reset, minus what was allocated before the step; a graph's pool is added to its row).
@@ -128,13 +129,14 @@ def manual(dtype, scale, ops=hg.TorchOps, compile=False):
     return lambda: hg.eager_loss_and_grads(o, cfg, w, x, y, scale)[1]
 
 
-def graphed(dtype, scale, fused):
+def graphed(dtype, scale, ops):
     """The eager engine as hetero mode runs it on CUDA: captured once, replayed. Replays
     allocate nothing: the capture's peak above the weight buffer is added (fn.held)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    eng = standin.FastEagerEngine(cfg, device, dtype, hg.LossScaler(scale, 10**9), fused_kernels=fused)
+    eng = standin.FastEagerEngine(cfg, device, dtype, hg.LossScaler(scale, 10**9), fused_kernels=True)
+    eng.o = ops(dtype, device)
     eng.load_weights(params)
     eng.loss_and_grads(x, y)  # captures
     torch.cuda.synchronize()
@@ -150,7 +152,8 @@ dtypes = [getattr(torch, n) for n in a.dtypes.split(',')]
 variants = {'written out': lambda d: manual(d, scales[d]),
             'fused': lambda d: manual(d, scales[d], standin.FusedOps),
             'fused, private': lambda d: manual(d, scales[d], PrivateOps),
-            'fused + CUDA graph': lambda d: graphed(d, scales[d], True)}
+            'fused + CUDA graph': lambda d: graphed(d, scales[d], standin.FusedOps),
+            'fused, private + CUDA graph': lambda d: graphed(d, scales[d], PrivateOps)}
 rows = [(f"{names[d]}, manual: {tag}", lambda d=d: autograd(d), lambda d=d, m=make: m(d))
         for d in dtypes for tag, make in variants.items()]
 rows += [(f"{names[d]}, both compiled (manual: written out)", lambda d=d: autograd(d, True),

@@ -52,8 +52,6 @@ for setting in a.settings.split(','):
     ours = lambda bias, *more: run([sys.executable, os.path.join(here, 'bench_gpu.py'), '--dtype', dtype, '--bias', bias]
                                    + (['--compile'] if compile else []) + list(more))
     cells = {'nanoGPT': lambda: nano(False), 'ours': lambda: ours('False')}
-    if dtype == 'bfloat16' and not compile:  # the cost of waiting on the host for the finiteness check
-        cells['ours, host check'] = lambda: ours('False', '--host_check')
     if not a.like_for_like and not compile:  # bench.py compiles the same way either way
         cells |= {'nanoGPT bias': lambda: nano(True), 'ours bias': lambda: ours('True')}
     times = {k: [] for k in cells}
@@ -80,7 +78,3 @@ for name, r, _ in rows:
 for name, r, spread in rows:
     if spread:
         print(f"{name}: rounds' spread (max - min) / median: " + ', '.join(f"{k} {100 * v:.1f}%" for k, v in spread.items()))
-for name, r, _ in rows:
-    if 'ours, host check' in r:
-        print(f"{name}, ours --bias False with the finiteness check read on the host before AdamW "
-              f"(HeteroStep, no standin.DeferredStep): {cell(r['ours, host check'])}, ratio {ratio(r['ours, host check'], r['nanoGPT'])}")
