@@ -595,28 +595,12 @@ def vocab_chunks(V):
 
 
 def dense_input_shapes(cfg, B, T):
-    """Name -> shape of every input of the dense step (its outputs are 'loss' plus a
-    gradient for each of these but loss_scale)."""
-    C, N = cfg.n_embd, B * T
-    per_block = {'ln1_w': (C,), 'ln1_b': (C,), 'wq': (C, C), 'wk': (C, C), 'wv': (C, C),
-                 'bq': (C,), 'bk': (C,), 'bv': (C,), 'wo': (C, C), 'bo': (C,),
-                 'ln2_w': (C,), 'ln2_b': (C,), 'wfc': (4 * C, C), 'bfc': (4 * C,),
-                 'wpr': (C, 4 * C), 'bpr': (C,)}
-    shapes = {'x0': (N, C), 'wte_tgt': (N, C), 'loss_scale': (1, 1), 'lnf_w': (C,), 'lnf_b': (C,)}
-    for l in range(cfg.n_layer):
-        shapes.update({f'h{l}_{k}': s for k, s in per_block.items()})
-    if not cfg.bias:
-        shapes = {k: s for k, s in shapes.items() if not is_bias(k)}
-    rows, spans = vocab_chunks(cfg.vocab_size)
-    for j in range(len(spans)):
-        shapes[f'wte_{j}'] = (rows, C)
-    return shapes
-
-
-def is_bias(name):
-    """A dense input that bias=False leaves out: 'lnf_b', or a block's ('h0_ln1_b', ...)."""
-    k = name.split('_', 1)[1] if name[0] == 'h' and name[1:2].isdigit() else name  # h0_ln1_b -> ln1_b
-    return k == 'lnf_b' or BLOCK_PARAMS.get(k, ('',))[0].endswith('.bias')
+    """Name -> shape of every input of the dense step: the weights as host_weights makes
+    them (from meta tensors: shapes only), the microbatch's rows and the loss scale. Its
+    outputs are 'loss' and a gradient for each input but loss_scale."""
+    weights = host_weights(GPT_param_shapes(cfg), cfg)
+    return {k: tuple(v.shape) for k, v in weights.items()} | {
+        'x0': (B * T, cfg.n_embd), 'wte_tgt': (B * T, cfg.n_embd), 'loss_scale': (1, 1)}
 
 
 # ---- the host side: the sparse work the dense step leaves out

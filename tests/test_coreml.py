@@ -140,7 +140,10 @@ def test_program_without_biases(tmp_path):
     path = str(tmp_path / 'nobias.mlpackage')
     export_ane.export_coreml(cfg, 2, 5, path)
     names = set(hg.dense_input_shapes(cfg, 2, 5))
-    assert not any(hg.is_bias(n) for n in names) and 'h0_wq' in names and 'lnf_w' in names
+    biases = {'lnf_b'} | {f'h{l}_{k}' for l in range(2) for k in ('ln1_b', 'bq', 'bk', 'bv', 'bo', 'ln2_b', 'bfc', 'bpr')}
+    assert not names & biases and 'h0_wq' in names and 'lnf_w' in names
+    assert set(hg.dense_input_shapes(hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16),
+                                     2, 5)) == names | biases
     torch.manual_seed(0)
     model = hg.GPT(cfg).double()
     idx, targets = (torch.randint(0, cfg.vocab_size, (2, 5)) for _ in range(2))
