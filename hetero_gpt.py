@@ -554,23 +554,12 @@ class TorchOps(Derivation):
     exp, log, tanh, rsqrt = (staticmethod(f) for f in (torch.exp, torch.log, torch.tanh, torch.rsqrt))
     maximum = staticmethod(torch.maximum)
 
-    def sum(self, x, axis, keep=True):
-        return x.sum(axis, keepdim=keep)
-
-    def mean(self, x, axis):
-        return x.mean(axis, keepdim=True)
-
-    def max(self, x, axis):
-        return x.amax(axis, keepdim=True)
-
-    def softmax(self, x, axis):
-        return torch.softmax(x, axis)
-
-    def reshape(self, x, shape):
-        return x.reshape(shape)
-
-    def transpose(self, x, perm):
-        return x.permute(perm)
+    def sum(self, x, axis, keep=True): return x.sum(axis, keepdim=keep)
+    def mean(self, x, axis): return x.mean(axis, keepdim=True)
+    def max(self, x, axis): return x.amax(axis, keepdim=True)
+    def softmax(self, x, axis): return torch.softmax(x, axis)
+    def reshape(self, x, shape): return x.reshape(shape)
+    def transpose(self, x, perm): return x.permute(perm)
 
     def causal_mask(self, T):
         # additive mask: 0 on and below the diagonal, -1e4 above. -1e4 (not -inf): fp16 tops
