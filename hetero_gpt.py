@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -1051,10 +1052,10 @@ class Split:
             self.k = min(self.n, max(0, round(self.n * r_ane / (r_gpu + r_ane))))
 
     def state_dict(self):
-        return dict(k=self.k, sec=self.sec, steps=self.steps)
+        return dict(n=self.n, k=self.k, sec=self.sec, steps=self.steps)
 
-    def load_state_dict(self, s):
-        self.k, self.sec, self.steps = s['k'], s['sec'], s['steps']
+    def load_state_dict(self, s):  # from a share of another size (other ranks): the speeds, not k
+        self.k, self.sec, self.steps = s['k'] if s.get('n', self.n) == self.n else self.k, s['sec'], s['steps']
 
 
 def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
@@ -1093,8 +1094,8 @@ class HeteroStep:
     divided by the count of microbatches that contributed. An engine whose gradients are
     not finite (fp16 overflow) is left out of that step: the mean is then over the other
     engine's microbatches alone, and is still an unbiased gradient. An engine that raises
-    is retired, and its share of the step is run by the other one. update() then clips the
-    mean gradient and takes the AdamW step."""
+    is retired, and its share of the step is run by the other one. Under torchrun, each rank's
+    sums and counts are added first. update() clips the mean gradient, takes the AdamW step."""
 
     def __init__(self, model, engines, split, log=print, optimizer=None):
         self.model, self.engines, self.split, self.log = model, engines, split, log
@@ -1170,10 +1171,7 @@ class HeteroStep:
                 self.dropped[name] += 1
         if len(results) == 2:
             self.split.observe({n: r['seconds'] / r['n'] for n, r in results.items()})
-        n = sum(r['n'] for r in used.values())
-        if n == 0:
-            self.skipped += 1
-            return dict(loss=float('nan'), used=[], results=results)
+        n, loss = sum(r['n'] for r in used.values()), sum(r['loss'] for r in used.values())
         master = next(iter(self.params.values())).device
         total = None
         for r in used.values():  # the engines' sums are their own buffers: added to in place
@@ -1182,16 +1180,23 @@ class HeteroStep:
                 total = g
             else:
                 torch._foreach_add_(total, g)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # a rank with nothing usable adds 0s
+            total = total or [torch.zeros_like(p) for p in self.params.values()]
+            *total, n_loss = all_reduce_sum(total + [total[0].new_tensor([n, loss])])
+            n, loss = round(n_loss[0].item()), n_loss[1].item()
+        if n == 0:  # no usable gradient on any rank: no update
+            self.skipped += 1
+            return dict(loss=float('nan'), n=0, used=[], results=results)
         if n > 1:
             torch._foreach_div_(total, float(n))
         for p, g in zip(self.params.values(), total):
             p.grad = g.to(p.dtype)
-        return dict(loss=sum(r['loss'] for r in used.values()) / n, used=sorted(used), results=results)
+        return dict(loss=loss / n, n=n, used=sorted(used), results=results)
 
     def update(self, out, grad_clip=0.0):
         """The step's one AdamW update from the mean gradient (clipped to norm grad_clip
         when > 0), unless no engine's gradient was usable. Then the gradients are freed."""
-        if out['used']:
+        if out['n']:
             if grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params.values(), grad_clip)
             self.optimizer.step()
@@ -1199,6 +1204,14 @@ class HeteroStep:
         for r in out['results'].values():  # the sums are in p.grad or freed: not held into the next step
             r.pop('grads', None)
         return out
+
+
+def all_reduce_sum(tensors):
+    """Each tensor summed over the ranks: one all-reduce of one flat buffer, one network latency."""
+    flat = torch.cat([t.flatten() for t in tensors])
+    buf = flat.cpu() if dist.get_backend() == 'gloo' else flat  # gloo adds CPU tensors (MPS: via the host)
+    dist.all_reduce(buf)
+    return [b.view_as(t) for b, t in zip(buf.to(flat.device).split([t.numel() for t in tensors]), tensors)]
 
 
 # -----------------------------------------------------------------------------
