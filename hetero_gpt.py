@@ -21,7 +21,7 @@ Sections, in the order data flows: 1 config, 2 model, 3 the hand-derived forward
 backward and its PyTorch backend, 4 the Core ML program and its engine, 5 the PyTorch
 engines, 6 the concurrent step, 7 the training loop. Beside it: export_ane.py saves,
 reads back, evaluates (NumPy) and reports the Core ML program; energy.py the meters;
-bench.py the side-by-side table of the modes.
+bench.py the side-by-side table of the modes; heartbeat.py which rank stopped a torchrun run.
 """
 import argparse
 import contextlib
@@ -44,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import energy
+import heartbeat
 
 ON_MAC = sys.platform == 'darwin'
 ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (ANE_NOTES section 2)
@@ -1336,6 +1337,7 @@ def join_ranks(cfg):
         sys.stdout, cfg.quiet = open(os.devnull, 'w'), True
     dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',  # gloo: CPU tensors (the Mac's too)
                             timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+    heartbeat.start(dist.get_rank(), cfg.dist_timeout)  # so that a rank which stops the run is named
     if cfg.gradient_accumulation_steps < dist.get_world_size():
         raise UserError(f"--gradient_accumulation_steps counts all ranks' microbatches: use {dist.get_world_size()}+")
     return dist.get_rank(), dist.get_world_size()
@@ -1575,6 +1577,8 @@ def main(argv=None, run=train, cls=Config):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:  # under torchrun: one line that names the ranks that stopped the run
+        heartbeat.exit_naming_stopped(e, cfg.dist_timeout)  # (without torchrun: raises e)
 
 
 if __name__ == '__main__':
