@@ -37,7 +37,7 @@ import hetero_gpt as hg
 
 MODES = ('gpu', 'ane', 'hetero')
 OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume')  # compare.py sets or forbids these
-UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_package', 'device')  # may differ when a run is reused
+UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_package', 'device', 'dist_timeout')  # may differ when reused
 # (device too: finished runs made on a GPU machine can be summarized on another one)
 
 # -----------------------------------------------------------------------------

@@ -21,11 +21,12 @@ Sections, in the order data flows: 1 config, 2 model, 3 the hand-derived forward
 backward and its PyTorch backend, 4 the Core ML program and its engine, 5 the PyTorch
 engines, 6 the concurrent step, 7 the training loop. Beside it: export_ane.py saves,
 reads back, evaluates (NumPy) and reports the Core ML program; energy.py the meters;
-bench.py the side-by-side table of the modes.
+bench.py the side-by-side table of the modes; heartbeat.py which rank stopped a torchrun run.
 """
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import functools
 import json
 import math
@@ -38,10 +39,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import energy
+import heartbeat
 
 ON_MAC = sys.platform == 'darwin'
 ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (ANE_NOTES section 2)
@@ -125,6 +128,7 @@ class Config(GPTConfig):
     sample_tokens: int = opt(200, "tokens of text sampled at the end (0: none)")
     seed: int = opt(1337, "seed for weights and batch order")
     quiet: bool = opt(False, "no progress bar")
+    dist_timeout: float = opt(600.0, "under torchrun, seconds a rank waits for the others before it stops the run")
 
     def __post_init__(self):
         pass  # checked in setup(), once the CPU defaults are in
@@ -1024,10 +1028,10 @@ class Split:
             self.k = min(self.n, max(0, round(self.n * r_ane / (r_gpu + r_ane))))
 
     def state_dict(self):
-        return dict(k=self.k, sec=self.sec, steps=self.steps)
+        return dict(n=self.n, k=self.k, sec=self.sec, steps=self.steps)
 
-    def load_state_dict(self, s):
-        self.k, self.sec, self.steps = s['k'], s['sec'], s['steps']
+    def load_state_dict(self, s):  # from a share of another size (other ranks): the speeds, not k
+        self.k, self.sec, self.steps = s['k'] if s.get('n', self.n) == self.n else self.k, s['sec'], s['steps']
 
 
 def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
@@ -1066,8 +1070,8 @@ class HeteroStep:
     divided by the count of microbatches that contributed. An engine whose gradients are
     not finite (fp16 overflow) is left out of that step: the mean is then over the other
     engine's microbatches alone, and is still an unbiased gradient. An engine that raises
-    is retired, and its share of the step is run by the other one. update() then clips the
-    mean gradient and takes the AdamW step."""
+    is retired, and its share of the step is run by the other one. Under torchrun, each rank's
+    sums and counts are added first. update() clips the mean gradient, takes the AdamW step."""
 
     def __init__(self, model, engines, split, log=print, optimizer=None):
         self.model, self.engines, self.split, self.log = model, engines, split, log
@@ -1143,10 +1147,7 @@ class HeteroStep:
                 self.dropped[name] += 1
         if len(results) == 2:
             self.split.observe({n: r['seconds'] / r['n'] for n, r in results.items()})
-        n = sum(r['n'] for r in used.values())
-        if n == 0:
-            self.skipped += 1
-            return dict(loss=float('nan'), used=[], results=results)
+        n, loss = sum(r['n'] for r in used.values()), sum(r['loss'] for r in used.values())
         master = next(iter(self.params.values())).device
         total = None
         for r in used.values():  # the engines' sums are their own buffers: added to in place
@@ -1155,16 +1156,23 @@ class HeteroStep:
                 total = g
             else:
                 torch._foreach_add_(total, g)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # a rank with nothing usable adds 0s
+            total = total or [torch.zeros_like(p) for p in self.params.values()]
+            *total, n_loss = all_reduce_sum(total + [total[0].new_tensor([n, loss])])
+            n, loss = round(n_loss[0].item()), n_loss[1].item()
+        if n == 0:  # no usable gradient on any rank: no update
+            self.skipped += 1
+            return dict(loss=float('nan'), n=0, used=[], results=results)
         if n > 1:
             torch._foreach_div_(total, float(n))
         for p, g in zip(self.params.values(), total):
             p.grad = g.to(p.dtype)
-        return dict(loss=sum(r['loss'] for r in used.values()) / n, used=sorted(used), results=results)
+        return dict(loss=loss / n, n=n, used=sorted(used), results=results)
 
     def update(self, out, grad_clip=0.0):
         """The step's one AdamW update from the mean gradient (clipped to norm grad_clip
         when > 0), unless no engine's gradient was usable. Then the gradients are freed."""
-        if out['used']:
+        if out['n']:
             if grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params.values(), grad_clip)
             self.optimizer.step()
@@ -1172,6 +1180,14 @@ class HeteroStep:
         for r in out['results'].values():  # the sums are in p.grad or freed: not held into the next step
             r.pop('grads', None)
         return out
+
+
+def all_reduce_sum(tensors):
+    """Each tensor summed over the ranks: one all-reduce of one flat buffer, one network latency."""
+    flat = torch.cat([t.flatten() for t in tensors])
+    buf = flat.cpu() if dist.get_backend() == 'gloo' else flat  # gloo adds CPU tensors (MPS: via the host)
+    dist.all_reduce(buf)
+    return [b.view_as(t) for b, t in zip(buf.to(flat.device).split([t.numel() for t in tensors]), tensors)]
 
 
 # -----------------------------------------------------------------------------
@@ -1229,11 +1245,16 @@ def get_batch(data, n, T, rng):
 
 
 def step_batches(cfg, data, it):
-    """The step's microbatches. Seeded by (seed, step), so every mode, split and resume
-    sees the same batches at the same step."""
+    """The step's microbatches. Seeded by (seed, step), so every mode, split, resume and
+    number of ranks sees the same batches at the same step."""
     x, y = get_batch(data, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.block_size,
                      np.random.default_rng((cfg.seed, it)))
     return list(zip(x.split(cfg.batch_size), y.split(cfg.batch_size)))
+
+
+def rank_share(microbatches):  # under torchrun, rank r of W takes its contiguous [r*n//W, (r+1)*n//W)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return microbatches[rank * len(microbatches) // world:(rank + 1) * len(microbatches) // world]
 
 
 @torch.no_grad()
@@ -1273,6 +1294,36 @@ def make_optimizer(model, cfg, device):
               {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                              fused=device.type == 'cuda')
+
+
+# ---- several processes (torchrun): one HeteroEngine per machine, or per GPU off a Mac
+def join_ranks(cfg):
+    """Under torchrun (it sets RANK, LOCAL_RANK, MASTER_ADDR, ...) joins the other ranks, off a
+    Mac each on its own GPU (cuda:LOCAL_RANK); rank 0 alone prints. (rank, world): (0, 1) without."""
+    if 'RANK' not in os.environ:
+        return 0, 1
+    device = resolve_device(cfg.device)
+    if device.type == 'cuda' and device.index is None:
+        cfg.device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(cfg.device)
+    if int(os.environ['RANK']):  # the other ranks write only what goes wrong, to stderr
+        sys.stdout, cfg.quiet = open(os.devnull, 'w'), True
+    dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',  # gloo: CPU tensors (the Mac's too)
+                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+    heartbeat.start(dist.get_rank(), cfg.dist_timeout)  # so that a rank which stops the run is named
+    if cfg.gradient_accumulation_steps < dist.get_world_size():
+        raise UserError(f"--gradient_accumulation_steps counts all ranks' microbatches: use {dist.get_world_size()}+")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def check_same_weights(model, it):
+    """Names the ranks whose weights parted from rank 0's, by an fp64 checksum of them."""
+    mine = sum(float(p.sum() + p.square().sum()) for p in (q.detach().cpu().double() for q in model.parameters()))
+    dist.all_gather_object(sums := [None] * dist.get_world_size(), mine)
+    # one AdamW step from one all-reduced gradient: equal but for unlike machines' last bits; a missed step: >1e-6
+    parted = [r for r, s in enumerate(sums) if not math.isclose(s, sums[0], rel_tol=1e-6)]
+    if parted:
+        raise RuntimeError(f"at step {it} the weights of ranks {parted} differ from rank 0's (checksums {sums})")
 
 
 def save_checkpoint(path, obj):
@@ -1325,7 +1376,8 @@ def build_run(cfg, device, dtype, mode, log=print):
     model = GPT(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
     optimizer = make_optimizer(model, cfg, device)
     engines = build_engines(cfg, model, device, dtype, mode, log)
-    split = Split(cfg.gradient_accumulation_steps, {'gpu': '0', 'ane': '1', 'hetero': cfg.ane_fraction}[mode])
+    split = Split(len(rank_share(range(cfg.gradient_accumulation_steps))),  # this rank's share (torchrun)
+                  {'gpu': '0', 'ane': '1', 'hetero': cfg.ane_fraction}[mode])
     meter = energy.EnergyMeter({device} | {e.device for e in engines.values()})
     return model, optimizer, engines, HeteroStep(model, engines, split, log=log, optimizer=optimizer), meter
 
@@ -1361,21 +1413,29 @@ def setup(cfg, given, log=print):
 
 
 def train(cfg, given=frozenset()):
+    rank, world = join_ranks(cfg)
     device, dtype = setup(cfg, given)
     data = load_data(cfg)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm_write)
+    model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm_write if rank == 0 else
+                                                       lambda s: print(f"rank {rank}: {s}", file=sys.stderr))
     split = step.split
     it, tokens, elapsed, best_val = 0, 0, 0.0, float('inf')
-    if cfg.resume:
+    ck = None
+    if cfg.resume and rank == 0:  # rank 0's checkpoint: the others may be on machines without it
         if not os.path.exists(ckpt_path):
             raise UserError(f"--resume: no checkpoint at {ckpt_path}")
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
+        ck = torch.load(ckpt_path, map_location='cpu', weights_only=False)
         if ck['model_args'] != dataclasses.asdict(model.config):
             raise UserError(f"checkpoint is for {ck['model_args']}, not {dataclasses.asdict(model.config)}")
+    if world > 1:  # every rank starts from rank 0's state: the checkpoint it read, or its fresh weights
+        dist.broadcast_object_list(box := [ck or dict(model={k: v.cpu() for k, v in model.state_dict().items()})])
+        ck = box[0]
+    if ck:
         model.load_state_dict(ck['model'])
+    if cfg.resume:  # the global state, and rank 0's split and loss scales for every rank
         optimizer.load_state_dict(ck['optimizer'])
         it, tokens, elapsed, best_val = ck['iter_num'], ck['tokens'], ck['elapsed'], ck['best_val_loss']
         split.load_state_dict(ck['split'])
@@ -1384,17 +1444,18 @@ def train(cfg, given=frozenset()):
         print(f"resumed from {ckpt_path} at step {it}")
 
     def checkpoint():
-        save_checkpoint(ckpt_path, dict(
-            model=model.state_dict(), optimizer=optimizer.state_dict(),
-            model_args=dataclasses.asdict(model.config), iter_num=it, tokens=tokens, elapsed=elapsed,
-            best_val_loss=best_val, config=dataclasses.asdict(cfg), split=split.state_dict(),
-            loss_scales={n: e.scaler.scale for n, e in engines.items()}))
+        if rank == 0:
+            save_checkpoint(ckpt_path, dict(
+                model=model.state_dict(), optimizer=optimizer.state_dict(),
+                model_args=dataclasses.asdict(model.config), iter_num=it, tokens=tokens, elapsed=elapsed,
+                best_val_loss=best_val, config=dataclasses.asdict(cfg), split=split.state_dict(),
+                loss_scales={n: e.scaler.scale for n, e in engines.items()}))
 
     n_params = sum(p.numel() for p in model.parameters())
     print(f"GPT-2 {n_params / 1e6:.2f}M parameters | mode {cfg.mode} | "
           + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}")
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    metrics = open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
+    metrics = open(os.path.join(cfg.out_dir, 'metrics.jsonl') if rank == 0 else os.devnull, 'a')
     evaluator = engines.get('gpu') or AutogradEngine(model, device, dtype)
     bar = make_bar(cfg, it)
     next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0
@@ -1405,7 +1466,7 @@ def train(cfg, given=frozenset()):
             for g in optimizer.param_groups:
                 g['lr'] = lr
             t0 = time.perf_counter()
-            out = step.update(step(step_batches(cfg, data['train'], it)), cfg.grad_clip)
+            out = step.update(step(rank_share(step_batches(cfg, data['train'], it))), cfg.grad_clip)
             it += 1
             tokens += tok_per_step
             tok_log += tok_per_step
@@ -1425,6 +1486,9 @@ def train(cfg, given=frozenset()):
                 if j is not None:
                     row['joules_per_token'] = (j - j0) / tok_log
                     j0 = j
+                if world > 1:  # the keys after mode are this rank's own: every rank's into rank 0's row
+                    dist.all_gather_object(ranks := [None] * world, {k: row.pop(k) for k in list(row)[7:]})
+                    row['ranks'] = ranks
                 t_log, tok_log = elapsed, 0
             timed_eval = cfg.eval_seconds > 0 and elapsed >= next_eval_s
             if timed_eval:  # at fixed training time (steps only; evaluation is not counted)
@@ -1433,6 +1497,8 @@ def train(cfg, given=frozenset()):
                     next_eval_s += cfg.eval_seconds
             scheduled = it % cfg.eval_interval == 0 or it == cfg.max_iters
             if scheduled or timed_eval:
+                if world > 1:
+                    check_same_weights(model, it)
                 val = evaluate(model, evaluator, cfg, data['val'])
                 best_val = min(best_val, val)
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
@@ -1454,7 +1520,9 @@ def train(cfg, given=frozenset()):
         return model
     bar.close()
     metrics.close()
-    if cfg.sample_tokens > 0:
+    if world > 1:
+        dist.destroy_process_group()
+    if cfg.sample_tokens > 0 and rank == 0:
         import prepare_data
         enc = prepare_data.get_encoding()
         start = torch.tensor([enc.encode('\n')], device=device)
@@ -1482,6 +1550,8 @@ def main(argv=None, run=train, cls=Config):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:  # under torchrun: one line that names the ranks that stopped the run
+        heartbeat.exit_naming_stopped(e, cfg.dist_timeout)  # (without torchrun: raises e)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,198 @@
+"""Data parallel under torchrun, on this machine's CPU (gloo): two ranks against one process
+that ran the same microbatches, resume across numbers of ranks, the mean over the ranks'
+usable microbatches, ranks whose weights part, and a rank that dies or hangs."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hetero_gpt as hg
+from test_train import FakeEngine, tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# on the CPU the engines are the same with or without standin.py (eager_engine_class), so the copy
+# without it (test_standin.py) has nothing to learn here, and these are the suite's slowest seconds
+pytestmark = pytest.mark.skipif(os.environ.get('HETERO_WITHOUT_STANDIN') == '1', reason="no standin.py on the CPU")
+# 4 microbatches a step (2 a rank), both engines, the stand-in in fp32 so that every difference
+# is rounding; min_lr = learning_rate: a constant rate after warm-up, so a run stopped at
+# max_iters 4 and resumed to 8 takes the steps of a run straight to 8
+FLAGS = ['--dataset', 'tiny', '--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '32',
+         '--batch_size', '4', '--gradient_accumulation_steps', '4', '--learning_rate', '3e-3', '--min_lr', '3e-3',
+         '--warmup_iters', '2', '--eval_iters', '2', '--eval_interval', '4', '--log_interval', '2',
+         '--sample_tokens', '0', '--quiet', '--device', 'cpu', '--mode', 'hetero', '--ane_dtype', 'float32',
+         '--ane_fraction', '0.5']
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def flags(data_dir, out_dir, *extra):
+    return FLAGS + ['--data_dir', data_dir, '--out_dir', str(out_dir)] + list(extra)
+
+
+def torchrun(n, data_dir, out_dir, *extra):
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(n), '--master_port',
+           str(free_port()), 'hetero_gpt.py'] + flags(data_dir, out_dir, *extra)
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS='1'), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def ranks(n, data_dir, out_dir, *extra):
+    """n processes started as torchrun starts them (its environment variables), without its agent
+    (one process less on a 2-core machine); without the agent rank 0 holds the store."""
+    env = dict(os.environ, OMP_NUM_THREADS='1', WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
+    cmd = [sys.executable, 'hetero_gpt.py'] + flags(data_dir, out_dir, *extra)
+    return [subprocess.Popen(cmd, cwd=ROOT, env=env | dict(RANK=str(r), LOCAL_RANK=str(r)), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(n)]
+
+
+def two_ranks(data_dir, out_dir, *extra):
+    outs = [p.communicate(timeout=120) + (p.returncode,) for p in ranks(2, data_dir, out_dir, *extra)]
+    assert all(rc == 0 for _, _, rc in outs), outs
+    return outs
+
+
+def one_process(data_dir, out_dir, *extra):
+    cfg, given = hg.parse_args(flags(data_dir, out_dir, *extra))
+    hg.train(cfg, given)
+
+
+def weights(out_dir):
+    return torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=False)['model']
+
+
+def assert_close(a, b):
+    # the ranks sum the same microbatch gradients in another order (each rank its share, then
+    # the all-reduce), which differs from one process's sum by fp32 rounding, 1e-7 relative;
+    # Adam's update is about lr * g/sqrt(v), so the weights move apart by a like fraction of
+    # lr each step: over 4 to 8 steps ~1e-7 of the weights (measured 8e-8), bound 1e-5. (Elements
+    # whose gradient is rounding only, like the key biases', whose exact gradient is 0, can
+    # differ by more, up to lr a step: so the bound is on the whole model's norm.)
+    num = sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5
+    assert num <= 1e-5 * sum((a[k] ** 2).sum() for k in a) ** 0.5
+
+
+def test_two_ranks_match_one_process_and_resume_across_numbers_of_ranks(data_dir, tmp_path):
+    one_process(data_dir, tmp_path / 'one', '--max_iters', '8')
+    straight = weights(tmp_path / 'one')
+    one_process(data_dir, tmp_path / 'a', '--max_iters', '4')  # a: 1 process to step 4, then 2 ranks
+    (out, _, _), (out1, _, _) = two_ranks(data_dir, tmp_path / 'b', '--max_iters', '4')  # b: 2 ranks, then 1
+    assert_close(weights(tmp_path / 'b'), weights(tmp_path / 'a'))
+    # only rank 0 writes: its files, each row once; and its rows hold every rank's split and speeds
+    assert sorted(os.listdir(tmp_path / 'b')) == ['ckpt.pt', 'metrics.jsonl']
+    rows = [json.loads(l) for l in open(tmp_path / 'b' / 'metrics.jsonl')]
+    assert [r['step'] for r in rows] == [2, 4] and out.count('parameters |') == 1 and out1 == ''
+    for r in rows:
+        assert [x['ane_microbatches'] for x in r['ranks']] == [1, 1] and r['ranks'][1]['gpu_tokens_per_s'] > 0
+        assert r['ranks'][0]['gpu_loss'] != r['ranks'][1]['gpu_loss']  # shares of their own, not copies
+        assert r['tokens'] == r['step'] * 4 * 4 * 32  # every rank's tokens
+    two_ranks(data_dir, tmp_path / 'a', '--max_iters', '8', '--resume')
+    one_process(data_dir, tmp_path / 'b', '--max_iters', '8', '--resume')
+    for run in 'ab':
+        assert_close(weights(tmp_path / run), straight)
+
+
+# ---- the mean over the ranks, with engines the test controls (2 processes, gloo)
+
+def value_grads(model):  # a microbatch's gradient is the value in its tokens; inf marks an overflow
+    return lambda idx: {k: torch.full_like(p, float(idx[0, 0])) for k, p in model.named_parameters()}
+
+
+def mbs(values):
+    return [(torch.full((1, 8), v, dtype=torch.float64), torch.zeros(1, 8, dtype=torch.long)) for v in values]
+
+
+def cross_rank_worker(rank, init):
+    dist.init_process_group('gloo', init_method=init, rank=rank, world_size=2)
+    model, ref = tiny_model(), tiny_model()
+    # (ane values, gpu values) per rank; the ANE takes the first half of each rank's share
+    for case, expect in (([(float('inf'),) * 2 + (3, 4), (5, 6, 7, 8)], [3, 4, 5, 6, 7, 8]),
+                         ([(float('inf'),) * 4, (5, 6, 7, 8)], [5, 6, 7, 8]),
+                         ([(float('inf'),) * 4, (float('inf'),) * 4], [])):
+        eng = {'gpu': FakeEngine('gpu', 0, value_grads(model)), 'ane': FakeEngine('ane', 0, value_grads(model))}
+        step = hg.HeteroStep(model, eng, hg.Split(4, '0.5'), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        out = step(mbs(case[rank]))
+        assert out['n'] == len(expect), (rank, case)  # the global count, on every rank
+        if expect:
+            # the same arithmetic in one process: one engine over the microbatches used anywhere
+            one = hg.HeteroStep(ref, {'gpu': FakeEngine('gpu', 0, value_grads(ref))}, hg.Split(len(expect), '0'))
+            with pytest.MonkeyPatch.context() as m:  # (in this process alone: no all-reduce)
+                m.setattr(dist, 'is_initialized', lambda: False)
+                assert one(mbs(expect))['loss'] == out['loss'] == 2.0
+            for g, r in zip(model.parameters(), ref.parameters()):
+                assert torch.equal(g.grad, r.grad)  # small integers: exact in fp32
+                assert torch.equal(g.grad, torch.full_like(g, sum(expect) / len(expect)))
+        else:
+            assert step.skipped == 1 and all(p.grad is None for p in model.parameters())
+        step.update(out)  # every rank steps (rank 0 too, with nothing of its own), or none does
+        hg.check_same_weights(model, 1)
+    if rank == 1:  # weights that part are named on every rank
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-3)
+    with pytest.raises(RuntimeError, match=r'weights of ranks \[1\] differ'):
+        hg.check_same_weights(model, 2)
+    dist.destroy_process_group()
+
+
+def test_mean_is_over_the_microbatches_used_on_every_rank(tmp_path):
+    mp.spawn(cross_rank_worker, args=(f'file://{tmp_path}/init',), nprocs=2)
+
+
+# ---- faults
+
+def rows_reach(out_dir, step, proc, limit=60):
+    path, t0 = os.path.join(out_dir, 'metrics.jsonl'), time.time()
+    while not (os.path.exists(path) and any(json.loads(l)['step'] >= step for l in open(path))):
+        assert proc.poll() is None and time.time() - t0 < limit, proc.communicate()
+        time.sleep(0.1)
+
+
+def ckpt_intact_and_resumable(data_dir, out_dir):
+    ck = torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=False)
+    assert ck['iter_num'] >= 4 and ck['iter_num'] % 4 == 0, ck['iter_num']
+    one_process(data_dir, out_dir, '--max_iters', str(ck['iter_num'] + 2), '--resume')
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc'), reason="finds the rank's process in /proc")
+def test_killed_rank_is_named_by_the_others(data_dir, tmp_path):
+    # under torchrun: rank 1 is killed; the agent stops rank 0 (SIGTERM), which says which rank stopped
+    p = torchrun(2, data_dir, tmp_path, '--max_iters', '100000', '--dist_timeout', '5')
+    rows_reach(tmp_path, 6, p)
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            cmd, env = (open(f'/proc/{pid}/{f}', 'rb').read().split(b'\0') for f in ('cmdline', 'environ'))
+        except OSError:
+            continue
+        if str(tmp_path).encode() in cmd and b'RANK=1' in env and b'hetero_gpt.py' in b' '.join(cmd):
+            os.kill(int(pid), signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode != 0
+    assert 'error: rank 0: ranks [1] stopped' in err, err
+    ckpt_intact_and_resumable(data_dir, tmp_path)
+
+
+def test_hung_rank_is_named_after_the_timeout(data_dir, tmp_path):
+    # rank 1 stopped (SIGSTOP): rank 0's next collective times out after --dist_timeout, and names it
+    procs = ranks(2, data_dir, tmp_path, '--max_iters', '100000', '--dist_timeout', '2')
+    try:
+        rows_reach(tmp_path, 6, procs[0])
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        _, err = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 1 and 'error: rank 0: ranks [1] stopped' in err, err
+        assert 'Timed out' in err and time.time() - t0 >= 2
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    ckpt_intact_and_resumable(data_dir, tmp_path)
