@@ -94,7 +94,7 @@ class Config(GPTConfig):
     # optimisation
     batch_size: int = opt(8, "sequences per microbatch")
     gradient_accumulation_steps: int = opt(4, "microbatches per optimizer step (hetero splits these)")
-    max_iters: int = opt(1000, "optimizer steps")
+    max_iters: int = opt(1000, "optimizer steps (0: none; a resumed run stops at this step too)")
     learning_rate: float = opt(3e-4, "peak learning rate")
     min_lr: float = opt(3e-5, "learning rate at the end of the cosine decay")
     warmup_iters: int = opt(100, "linear warm-up steps")
@@ -135,6 +135,12 @@ class Config(GPTConfig):
 CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8,
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
+# What each numeric setting allows: setup() checks them all, before anything is written.
+LIMITS = (('> 0', lambda v: 0 < v < math.inf, 'batch_size gradient_accumulation_steps eval_interval log_interval '
+                                              'scale_window loss_scale'),
+          ('>= 0', lambda v: 0 <= v < math.inf, 'max_iters warmup_iters eval_iters sample_tokens seed '
+                                                'learning_rate min_lr weight_decay grad_clip eval_seconds'),
+          ('in [0, 1)', lambda v: 0 <= v < 1, 'beta1 beta2'))
 
 
 def add_flags(parser, cls, skip=()):
@@ -150,7 +156,9 @@ def add_flags(parser, cls, skip=()):
             parser.add_argument(f'--{f.name}', type=typ, default=f.default, help=f.metadata['help'])
 
 
-def parse_args(argv=None, cls=Config, description="HeteroEngine: GPT-2 on GPU and ANE at once."):
+def parse_args(argv=None, cls=Config, description="HeteroEngine: GPT-2 on GPU and ANE at once. The defaults "
+               "shown are GPT-2 124M's; on a machine without a GPU (device cpu) flags not given take these "
+               "instead: " + ', '.join(f'{k}={v}' for k, v in CPU_DEFAULTS.items()) + "."):
     """(cls(...), the names of the flags the user gave)."""
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -827,7 +835,7 @@ def build_coreml_program(cfg, B, T):
 
 def check_ane_shapes(cfg, B, T):
     if B < 1 or T < 1:
-        raise UserError(f"microbatch {B}x{T}: both must be at least 1")
+        raise UserError(f"microbatch {B}x{T} (--microbatch x --seq_len): both must be at least 1")
     if B * T > ANE_MAX_DIM:
         raise UserError(f"microbatch of {B}x{T} = {B * T} tokens: the ANE program keeps tokens on one "
                         f"axis, which must be at most {ANE_MAX_DIM}; use a smaller --microbatch")
@@ -1212,10 +1220,12 @@ def resolve_device(name, flag='--device'):
         return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     try:
         dev = torch.device(name)
+        if dev.type not in ('cpu', 'cuda', 'mps'):
+            raise RuntimeError
     except RuntimeError:
         raise UserError(f"{flag} {name!r}: unknown device; use auto, cpu, cuda, cuda:N or mps") from None
-    if dev.type == 'cuda' and not torch.cuda.is_available():
-        raise UserError(f"{flag} {name}: PyTorch sees no CUDA GPU here")
+    if dev.type == 'cuda' and (dev.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"{flag} {name}: PyTorch sees {torch.cuda.device_count()} CUDA GPU(s) here")
     if dev.type == 'mps' and not torch.backends.mps.is_available():
         raise UserError(f"{flag} {name}: MPS is not available here")
     return dev
@@ -1240,7 +1250,7 @@ def load_data(cfg):
         if not os.path.exists(os.path.join(folder, 'meta.json')):
             if cfg.dataset not in prepare_data.DATASETS:
                 raise UserError(f"no data set at {folder}/ ; make one with "
-                                f"`python prepare_data.py --input FILE --name {cfg.dataset}`")
+                                f"`{prepare_data.rebuild_command(folder, None)}`")
             print(f"{folder}/ is missing: running `python prepare_data.py {cfg.dataset}` first")
             prepare_data.prepare(cfg.dataset, data_dir=cfg.data_dir)
         return prepare_data.load_splits(folder, cfg.block_size, cfg.vocab_size)
@@ -1378,20 +1388,37 @@ def setup(cfg, given, log=print):
             ok = False
         if not ok:
             raise UserError(f"--ane_fraction must be auto or a number in [0, 1], got {cfg.ane_fraction!r}")
-    for k in ('batch_size', 'gradient_accumulation_steps'):
-        if getattr(cfg, k) < 1:
-            raise UserError(f"--{k} must be at least 1")
+    for allowed, ok, names in LIMITS:
+        for k in names.split():
+            if not ok(getattr(cfg, k)):
+                raise UserError(f"--{k} {getattr(cfg, k)}: must be a finite number {allowed}")
     model_config(cfg)  # raises if a size is < 1 or n_embd % n_head
+    top = os.path.abspath(cfg.out_dir)  # the out_dir, or the folder it will be made in
+    while not os.path.exists(top):
+        top = os.path.dirname(top)
+    if not (os.path.isdir(top) and os.access(top, os.W_OK)):
+        raise UserError(f"--out_dir {cfg.out_dir}: {top} is not a folder this user can write in")
+    dtype, ane_dtype = resolve_dtype(cfg.dtype, device), resolve_dtype(cfg.ane_dtype, device, '--ane_dtype')
+    if cfg.ane_device != 'auto' and not ON_MAC:
+        resolve_device(cfg.ane_device, '--ane_device')
+    # the settings given that this run does not use, said once: a flag is never a silent no-op
+    fp16 = dtype == torch.float16 and cfg.mode != 'ane' or cfg.mode != 'gpu' and (ON_MAC or ane_dtype == torch.float16)
+    moot = dict(ane_package=not ON_MAC or cfg.mode == 'gpu', ane_fraction=cfg.mode != 'hetero', loss_scale=not fp16,
+                scale_window=not fp16, compile=ON_MAC and cfg.mode == 'ane')
+    moot |= dict.fromkeys(('ane_device', 'ane_dtype', 'fused_kernels'), ON_MAC or cfg.mode == 'gpu')
+    if unused := [f'--{k}' for k in moot if moot[k] and k in given]:
+        log(f"not used by this run (mode {cfg.mode}{', macOS' if ON_MAC else ''}{'' if fp16 else ', no fp16 engine'}): "
+            + ', '.join(unused))
     if device.type == 'cuda':  # as nanoGPT: fp32 matmuls on tensor cores (TF32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    return device, resolve_dtype(cfg.dtype, device)
+    return device, dtype
 
 
 def train(cfg, given=frozenset()):
     device, dtype = setup(cfg, given)
     data = load_data(cfg)
     torch.manual_seed(cfg.seed)
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    os.makedirs(cfg.out_dir or '.', exist_ok=True)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm_write)
     split = step.split
@@ -1426,6 +1453,8 @@ def train(cfg, given=frozenset()):
     bar = make_bar(cfg, it)
     next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0
     j0, t_log, tok_log = meter.joules(), elapsed, 0
+    if it >= cfg.max_iters:
+        print(f"at step {it} of --max_iters {cfg.max_iters}: no steps to train")
     try:
         while it < cfg.max_iters:
             lr = get_lr(cfg, it)

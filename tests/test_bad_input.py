@@ -1,0 +1,128 @@
+"""Bad input, one test per kind: each is a one-line error (exit code 2) that names what is
+wrong and what to do, and leaves every file that existed before byte for byte as it was.
+benchmarks/bad_input_cases.py runs many more cases as separate processes."""
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import export_ane
+import hetero_gpt as hg
+
+TINY = ['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16', '--batch_size', '2',
+        '--gradient_accumulation_steps', '2', '--warmup_iters', '2', '--eval_iters', '1', '--sample_tokens', '0',
+        '--quiet', '--device', 'cpu', '--log_interval', '5', '--eval_interval', '5']
+
+
+def files(folder):
+    """{path under folder: sha256} of every file there."""
+    out = {}
+    for root, _, names in os.walk(folder):
+        for n in names:
+            p = os.path.join(root, n)
+            out[os.path.relpath(p, folder)] = hashlib.sha256(open(p, 'rb').read()).hexdigest()
+    return out
+
+
+def main(data_dir, out_dir, *flags):
+    """hg.main on the tiny configuration: its exit code (0 when it returns)."""
+    try:
+        hg.main(['--dataset', 'tiny', '--data_dir', str(data_dir), '--out_dir', str(out_dir)] + TINY + list(flags))
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def error(capsys):
+    """The one error line main printed (and that it was one line)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('error: '), err
+    return err[0]
+
+
+BAD_FLAGS = [('--learning_rate', '-1'), ('--min_lr', '-0.5'), ('--beta1', '1'), ('--beta2', '-0.1'),
+             ('--weight_decay', '-0.1'), ('--grad_clip', '-1'), ('--eval_interval', '0'), ('--log_interval', '0'),
+             ('--max_iters', '-1'), ('--eval_iters', '-3'), ('--eval_seconds', '-1'), ('--warmup_iters', '-1'),
+             ('--loss_scale', '0'), ('--scale_window', '0'), ('--sample_tokens', '-1'),
+             ('--seed', '-1'), ('--learning_rate', 'nan'), ('--batch_size', '0'), ('--dtype', 'half'),
+             ('--ane_dtype', 'float17'), ('--mode', 'tpu'), ('--device', 'tpu'), ('--ane_fraction', '2')]
+
+
+def test_bad_settings_are_refused_before_anything_is_written(data_dir, tmp_path, capsys):
+    # every setting PyTorch (or the loop) would reject late: one line naming the flag and
+    # its value, before the out_dir is made
+    for flag, value in BAD_FLAGS:
+        assert main(data_dir, tmp_path / 'o', flag, value) == 2, flag
+        line = error(capsys)
+        assert flag in line and value.lstrip('-') in line, line
+    if not torch.cuda.is_available():
+        assert main(data_dir, tmp_path / 'o', '--mode', 'hetero', '--ane_device', 'cuda') == 2
+        assert '--ane_device cuda' in error(capsys)
+    (tmp_path / 'afile').write_text('mine')
+    for out in ('afile', 'afile/sub'):
+        assert main(data_dir, tmp_path / out) == 2
+        assert '--out_dir' in error(capsys)
+    assert not (tmp_path / 'o').exists() and (tmp_path / 'afile').read_text() == 'mine'
+
+
+def test_settings_that_do_not_apply_are_named_once(capsys):
+    said = []
+    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'gpu', '--ane_package', 'x.mlpackage',
+                                '--ane_fraction', '0.5', '--loss_scale', '8', '--fused_kernels'])
+    hg.setup(cfg, given, log=said.append)
+    moot = [s for s in said if s.startswith('not used')]
+    assert len(moot) == 1 and all(f in moot[0] for f in ('--ane_package', '--ane_fraction', '--loss_scale'))
+    assert ('--fused_kernels' in moot[0]) and ('no fp16 engine' in moot[0])
+    said.clear()
+    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--loss_scale', '8'])
+    hg.setup(cfg, given, log=said.append)  # the fp16 stand-in uses its loss scale: nothing to say
+    assert not [s for s in said if s.startswith('not used')]
+
+
+def test_help_says_what_replaces_the_defaults_without_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        hg.parse_args(['--help'])
+    text = ' '.join(capsys.readouterr().out.split())
+    assert "GPT-2 124M's" in text and 'without a GPU' in text and 'n_layer=4' in text
+
+
+@pytest.mark.parametrize('damage', ['meta.json not JSON', 'token id past the vocabulary', 'short train.bin'])
+def test_broken_data_names_the_command_that_rebuilds_it(data_dir, tmp_path, capsys, damage):
+    bad = tmp_path / 'mydata'
+    shutil.copytree(data_dir, bad)
+    if damage == 'meta.json not JSON':
+        (bad / 'tiny' / 'meta.json').write_text('{not json')
+    elif damage == 'token id past the vocabulary':
+        ids = np.fromfile(bad / 'tiny' / 'train.bin', dtype=np.uint16)
+        ids[7] = 60000
+        ids.tofile(bad / 'tiny' / 'train.bin')
+    else:
+        with open(bad / 'tiny' / 'train.bin', 'r+b') as f:
+            f.truncate(64)
+    before = files(bad)
+    assert main(bad, tmp_path / 'o') == 2
+    line = error(capsys)
+    assert 'prepare_data.py --input' in line and f'--data_dir {bad}' in line and '--name tiny' in line, line
+    assert files(bad) == before and not (tmp_path / 'o').exists()
+
+
+def test_export_refuses_bad_shapes_and_paths_it_did_not_make(tmp_path, capsys):
+    model = ['--n_layer', '1', '--n_head', '1', '--n_embd', '8', '--block_size', '8', '--vocab_size', '50']
+    mine = tmp_path / 'notes.txt'
+    mine.write_text('mine')
+    folder = tmp_path / 'folder'
+    folder.mkdir()
+    (folder / 'keep').write_text('mine too')
+    before = files(tmp_path)
+    for flags, words in ((['--microbatch', '0'], '--microbatch'), (['--seq_len', '-3'], '--seq_len'),
+                         (['--out', str(mine)], 'refusing to overwrite'), (['--out', str(folder)], 'refusing')):
+        out = [] if '--out' in flags else ['--out', str(tmp_path / 'new.mlpackage')]
+        assert export_ane.main(model + flags + out) == 2
+        err = capsys.readouterr().err
+        assert words in err and 'Traceback' not in err, err
+    assert files(tmp_path) == before  # no package, no temporary one
+
