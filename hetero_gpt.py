@@ -122,6 +122,7 @@ class Config(GPTConfig):
     log_interval: int = opt(10, "print and log training metrics every this many steps")
     out_dir: str = opt('out', "checkpoints and metrics.jsonl go here")
     resume: bool = opt(False, "resume from out_dir/ckpt.pt")
+    overwrite: bool = opt(False, "start over in an out_dir that holds a run (deletes its checkpoints and metrics)")
     sample_tokens: int = opt(200, "tokens of text sampled at the end (0: none)")
     seed: int = opt(1337, "seed for weights and batch order")
     quiet: bool = opt(False, "no progress bar")
@@ -1312,13 +1313,6 @@ def make_optimizer(model, cfg, device):
                              fused=device.type == 'cuda')
 
 
-def save_checkpoint(path, obj):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
-    tmp = path + '.tmp'
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def eager_engine_class(cfg, device):
     """The eager stand-in's class: standin.py's (fused kernels, CUDA graph, own stream)
     where it exists and has something to add, else this file's plain one."""
@@ -1415,30 +1409,40 @@ def setup(cfg, given, log=print):
 
 
 def train(cfg, given=frozenset()):
+    import run_files  # out_dir's checkpoints and metrics: kept, checked, never another run's overwritten
     device, dtype = setup(cfg, given)
+    old_run = run_files.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
     data = load_data(cfg)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir or '.', exist_ok=True)
-    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
     model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm_write)
     split = step.split
     it, tokens, elapsed, best_val = 0, 0, 0.0, float('inf')
     if cfg.resume:
-        if not os.path.exists(ckpt_path):
-            raise UserError(f"--resume: no checkpoint at {ckpt_path}")
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if ck['model_args'] != dataclasses.asdict(model.config):
-            raise UserError(f"checkpoint is for {ck['model_args']}, not {dataclasses.asdict(model.config)}")
-        model.load_state_dict(ck['model'])
-        optimizer.load_state_dict(ck['optimizer'])
+        ck = run_files.load_checkpoint(ckpt_path, device)
+        try:  # this run's model and its optimizer's state, or one clear line
+            if ck['model_args'] != dataclasses.asdict(model.config):
+                raise ValueError(f"a model of {ck['model_args']}, not this run's {dataclasses.asdict(model.config)}")
+            model.load_state_dict(ck['model'])
+            optimizer.load_state_dict(ck['optimizer'])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{ckpt_path} does not fit this run ({' '.join(str(e).split())[:300]}): give the "
+                            "flags of its model, or a new --out_dir") from None
         it, tokens, elapsed, best_val = ck['iter_num'], ck['tokens'], ck['elapsed'], ck['best_val_loss']
-        split.load_state_dict(ck['split'])
+        if 'ane_fraction' in given and cfg.mode == 'hetero':
+            print(f"--ane_fraction {cfg.ane_fraction} given: it replaces the checkpoint's split of the microbatches")
+        else:
+            split.load_state_dict(ck['split'])
         for n, e in engines.items():
             e.scaler.scale = ck['loss_scales'].get(n, e.scaler.scale)
+        run_files.truncate_metrics(metrics_path, it)
         print(f"resumed from {ckpt_path} at step {it}")
+    for path in old_run:
+        os.remove(path)
 
     def checkpoint():
-        save_checkpoint(ckpt_path, dict(
+        run_files.save_checkpoint(ckpt_path, dict(
             model=model.state_dict(), optimizer=optimizer.state_dict(),
             model_args=dataclasses.asdict(model.config), iter_num=it, tokens=tokens, elapsed=elapsed,
             best_val_loss=best_val, config=dataclasses.asdict(cfg), split=split.state_dict(),
@@ -1448,7 +1452,7 @@ def train(cfg, given=frozenset()):
     print(f"GPT-2 {n_params / 1e6:.2f}M parameters | mode {cfg.mode} | "
           + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}")
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    metrics = open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
+    metrics = open(metrics_path, 'a')
     evaluator = engines.get('gpu') or AutogradEngine(model, device, dtype)
     bar = make_bar(cfg, it)
     next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0

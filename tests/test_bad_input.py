@@ -62,6 +62,7 @@ def test_bad_settings_are_refused_before_anything_is_written(data_dir, tmp_path,
     if not torch.cuda.is_available():
         assert main(data_dir, tmp_path / 'o', '--mode', 'hetero', '--ane_device', 'cuda') == 2
         assert '--ane_device cuda' in error(capsys)
+    assert main(data_dir, tmp_path / 'o', '--resume', '--overwrite') == 2 and 'give one of them' in error(capsys)
     (tmp_path / 'afile').write_text('mine')
     for out in ('afile', 'afile/sub'):
         assert main(data_dir, tmp_path / out) == 2
@@ -126,3 +127,82 @@ def test_export_refuses_bad_shapes_and_paths_it_did_not_make(tmp_path, capsys):
         assert words in err and 'Traceback' not in err, err
     assert files(tmp_path) == before  # no package, no temporary one
 
+
+
+@pytest.fixture(scope='module')
+def finished_run(data_dir, tmp_path_factory):
+    """An out_dir that holds a finished 10-step run (checkpoints at steps 5 and 10)."""
+    out = tmp_path_factory.mktemp('finished') / 'run'
+    assert main(data_dir, out, '--max_iters', '10') == 0
+    return out
+
+
+@pytest.fixture
+def run_dir(finished_run, tmp_path):
+    """A copy of finished_run, for a test to try things on."""
+    return shutil.copytree(finished_run, tmp_path / 'run')
+
+
+def test_a_second_run_never_replaces_the_first(data_dir, run_dir, capsys):
+    before = files(run_dir)
+    assert main(data_dir, run_dir, '--max_iters', '10') == 2
+    line = error(capsys)
+    assert '--resume' in line and '--out_dir' in line and '--overwrite' in line
+    assert files(run_dir) == before
+    # --overwrite starts over: the old checkpoints and rows are gone, not mixed in
+    assert main(data_dir, run_dir, '--max_iters', '5', '--overwrite') == 0
+    rows = [json.loads(line) for line in open(run_dir / 'metrics.jsonl')]
+    assert [r['step'] for r in rows] == [5] and not (run_dir / 'ckpt.prev.pt').exists()
+    assert torch.load(run_dir / 'ckpt.pt', weights_only=True)['iter_num'] == 5
+
+
+def test_the_checkpoint_before_is_kept(run_dir):
+    assert torch.load(run_dir / 'ckpt.pt', weights_only=True)['iter_num'] == 10
+    assert torch.load(run_dir / 'ckpt.prev.pt', weights_only=True)['iter_num'] == 5
+    assert not [f for f in os.listdir(run_dir) if f.endswith('.tmp')]
+
+
+@pytest.mark.parametrize('damage', ['truncated', 'empty', 'random bytes', 'foreign dict', 'a tensor', 'other model'])
+def test_a_broken_checkpoint_is_one_clear_line(data_dir, run_dir, capsys, damage):
+    ck = run_dir / 'ckpt.pt'
+    if damage == 'truncated':
+        ck.write_bytes(ck.read_bytes()[:1000])
+    elif damage == 'empty':
+        ck.write_bytes(b'')
+    elif damage == 'random bytes':
+        ck.write_bytes(np.random.default_rng(0).bytes(4096))
+    elif damage == 'foreign dict':
+        torch.save({'model': {}, 'iter_num': 3}, ck)
+    elif damage == 'a tensor':
+        torch.save(torch.zeros(3), ck)
+    if damage != 'other model':
+        os.remove(run_dir / 'ckpt.prev.pt')
+    before = files(run_dir)
+    flags = ['--n_embd', '32'] if damage == 'other model' else []
+    assert main(data_dir, run_dir, '--max_iters', '20', '--resume', *flags) == 2
+    line = error(capsys)
+    assert str(ck) in line and ('--overwrite' in line or 'flags of its model' in line), line
+    assert files(run_dir) == before
+
+
+def test_a_broken_checkpoint_points_to_the_one_before(data_dir, run_dir, capsys):
+    # ckpt.pt damaged, ckpt.prev.pt fine: the line says so and how to use it; nothing moves
+    (run_dir / 'ckpt.pt').write_bytes(b'\0' * 100)
+    before = files(run_dir)
+    assert main(data_dir, run_dir, '--max_iters', '20', '--resume') == 2
+    line = error(capsys)
+    assert 'ckpt.prev.pt (step 5) is usable' in line and 'mv ' in line
+    assert files(run_dir) == before
+
+
+def test_resume_drops_the_rows_past_its_checkpoint(data_dir, run_dir, capsys):
+    # killed after logging step 15 (and half a row) but before its checkpoint: the resumed
+    # run logs steps 15 and 20 once each; and --ane_fraction given wins over the checkpoint's
+    with open(run_dir / 'metrics.jsonl', 'a') as f:
+        f.write(json.dumps({'step': 15, 'loss': 1.0}) + '\n{"step": 1')
+    assert main(data_dir, run_dir, '--max_iters', '15', '--resume', '--mode', 'hetero', '--ane_fraction', '1',
+                '--ane_dtype', 'float32') == 0
+    assert '--ane_fraction 1 given' in capsys.readouterr().out
+    rows = [json.loads(line) for line in open(run_dir / 'metrics.jsonl')]
+    assert [r['step'] for r in rows] == [5, 10, 15] and rows[2]['loss'] != 1.0
+    assert rows[-1]['ane_microbatches'] == 2
