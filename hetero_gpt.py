@@ -123,6 +123,7 @@ class Config(GPTConfig):
     out_dir: str = opt('out', "checkpoints and metrics.jsonl go here")
     resume: bool = opt(False, "resume from out_dir/ckpt.pt")
     overwrite: bool = opt(False, "start over in an out_dir that holds a run (deletes its checkpoints and metrics)")
+    max_bad_steps: int = opt(10, "stop after this many steps in a row without a usable gradient (0: never)")
     sample_tokens: int = opt(200, "tokens of text sampled at the end (0: none)")
     seed: int = opt(1337, "seed for weights and batch order")
     quiet: bool = opt(False, "no progress bar")
@@ -139,7 +140,7 @@ CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8
 # What each numeric setting allows: setup() checks them all, before anything is written.
 LIMITS = (('> 0', lambda v: 0 < v < math.inf, 'batch_size gradient_accumulation_steps eval_interval log_interval '
                                               'scale_window loss_scale'),
-          ('>= 0', lambda v: 0 <= v < math.inf, 'max_iters warmup_iters eval_iters sample_tokens seed '
+          ('>= 0', lambda v: 0 <= v < math.inf, 'max_iters warmup_iters eval_iters sample_tokens seed max_bad_steps '
                                                 'learning_rate min_lr weight_decay grad_clip eval_seconds'),
           ('in [0, 1)', lambda v: 0 <= v < 1, 'beta1 beta2'))
 
@@ -1102,7 +1103,8 @@ class HeteroStep:
     divided by the count of microbatches that contributed. An engine whose gradients are
     not finite (fp16 overflow) is left out of that step: the mean is then over the other
     engine's microbatches alone, and is still an unbiased gradient. An engine that raises
-    is retired, and its share of the step is run by the other one. update() then clips the
+    on a valid batch is retired, and its share of the step is run by the other one (a batch
+    that is no valid input stops the run before either starts). update() then clips the
     mean gradient and takes the AdamW step."""
 
     def __init__(self, model, engines, split, log=print, optimizer=None):
@@ -1118,6 +1120,12 @@ class HeteroStep:
 
     def __call__(self, microbatches):
         """The mean gradient into p.grad; returns dict(loss, used, results)."""
+        try:  # checked first: a batch the model cannot take is an input error, never an engine fault
+            for idx, targets in microbatches:
+                check_batch(self.model.config, idx, targets)
+        except ValueError as e:
+            raise UserError(f"a microbatch of this step is no valid input ({e}): the data is at fault, "
+                            "not an engine") from None
         k = self.split.assign(self.alive)
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
         for name in self.alive:
@@ -1418,7 +1426,7 @@ def train(cfg, given=frozenset()):
     ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
     model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm_write)
     split = step.split
-    it, tokens, elapsed, best_val = 0, 0, 0.0, float('inf')
+    it, tokens, elapsed, best_val, bad = 0, 0, 0.0, float('inf'), 0
     if cfg.resume:
         ck = run_files.load_checkpoint(ckpt_path, device)
         try:  # this run's model and its optimizer's state, or one clear line
@@ -1466,7 +1474,7 @@ def train(cfg, given=frozenset()):
                 g['lr'] = lr
             t0 = time.perf_counter()
             out = step.update(step(step_batches(cfg, data['train'], it)), cfg.grad_clip)
-            it += 1
+            it, bad = it + 1, 0 if out['used'] else bad + 1
             tokens += tok_per_step
             tok_log += tok_per_step
             elapsed += time.perf_counter() - t0
@@ -1500,13 +1508,20 @@ def train(cfg, given=frozenset()):
             if row:  # the log first, then the checkpoint: a resumed run never lacks a row
                 metrics.write(json.dumps(row) + '\n')
                 metrics.flush()
-                if scheduled:  # not at timed evaluations: those can come every few seconds
+                if scheduled and not bad:  # not at timed evaluations (can come every few seconds)
                     checkpoint()
                 bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
                                  if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches')})
                 if bar.disable:
                     print(' '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in row.items()))
             bar.update(1)
+            if cfg.max_bad_steps and bad >= cfg.max_bad_steps:  # diverged: stop, the checkpoint the last good
+                floor = ', '.join(n for n, e in engines.items() if e.scaler.enabled and e.scaler.scale <= 1.0)
+                raise UserError(f"step {it}: {bad} steps in a row without a usable gradient (loss {out['loss']}): "
+                                f"diverged, likely as --learning_rate {cfg.learning_rate} is too high"
+                                + (f" (fp16 overflows at the loss scale's floor of 1: {floor})" if floor else '')
+                                + (f"; lower it and --resume from {ckpt_path}, the last good step's" if
+                                   os.path.exists(ckpt_path) else "; lower it and start over with --overwrite"))
     except KeyboardInterrupt:
         checkpoint()
         bar.close()

@@ -47,7 +47,7 @@ def error(capsys):
 BAD_FLAGS = [('--learning_rate', '-1'), ('--min_lr', '-0.5'), ('--beta1', '1'), ('--beta2', '-0.1'),
              ('--weight_decay', '-0.1'), ('--grad_clip', '-1'), ('--eval_interval', '0'), ('--log_interval', '0'),
              ('--max_iters', '-1'), ('--eval_iters', '-3'), ('--eval_seconds', '-1'), ('--warmup_iters', '-1'),
-             ('--loss_scale', '0'), ('--scale_window', '0'), ('--sample_tokens', '-1'),
+             ('--loss_scale', '0'), ('--scale_window', '0'), ('--sample_tokens', '-1'), ('--max_bad_steps', '-1'),
              ('--seed', '-1'), ('--learning_rate', 'nan'), ('--batch_size', '0'), ('--dtype', 'half'),
              ('--ane_dtype', 'float17'), ('--mode', 'tpu'), ('--device', 'tpu'), ('--ane_fraction', '2')]
 
@@ -206,3 +206,43 @@ def test_resume_drops_the_rows_past_its_checkpoint(data_dir, run_dir, capsys):
     rows = [json.loads(line) for line in open(run_dir / 'metrics.jsonl')]
     assert [r['step'] for r in rows] == [5, 10, 15] and rows[2]['loss'] != 1.0
     assert rows[-1]['ane_microbatches'] == 2
+
+
+def test_a_bad_batch_is_an_input_error_not_an_engine_fault():
+    cfg = hg.GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=4)
+    model, cpu = hg.GPT(cfg), torch.device('cpu')
+    engines = {'gpu': hg.AutogradEngine(model, cpu, torch.float32),
+               'ane': hg.EagerEngine(cfg, cpu, torch.float32, hg.LossScaler(1.0, 0, enabled=False))}
+    step = hg.HeteroStep(model, engines, hg.Split(2, '0.5'))
+    good = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    for bad in ((torch.full((1, 8), 16), good[1]), (good[0], torch.full((1, 8), -1)), (good[0], good[1][:, :4])):
+        with pytest.raises(hg.UserError, match='no valid input'):
+            step([good, bad])
+        assert step.alive == {'gpu', 'ane'} and step.dropped == {'gpu': 0, 'ane': 0}
+    assert step([good, good])['used'] == ['ane', 'gpu']
+
+
+def test_a_bad_batch_in_training_stops_with_the_checkpoint_kept(data_dir, run_dir, capsys, monkeypatch):
+    real = hg.step_batches
+
+    def batches(cfg, data, it):
+        mbs = real(cfg, data, it)
+        return mbs if it < 12 else [(x.clamp_max(0) - 1, y) for x, y in mbs]
+    monkeypatch.setattr(hg, 'step_batches', batches)
+    before = files(run_dir)
+    assert main(data_dir, run_dir, '--max_iters', '20', '--resume', '--eval_interval', '100') == 2
+    assert 'no valid input' in error(capsys)
+    assert files(run_dir) == before  # (the rows of steps 11 to 19 were never logged)
+
+
+def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, run_dir, capsys):
+    # fp16 with a learning rate of 10: every step overflows, the loss scale halves to its
+    # floor (8, 4, 2, 1); the run stops after max_bad_steps and writes no checkpoint of
+    # that state (a checkpoint was due at step 15)
+    before = files(run_dir)
+    code = main(data_dir, run_dir, '--max_iters', '40', '--resume', '--mode', 'ane', '--learning_rate', '10',
+                '--warmup_iters', '0', '--loss_scale', '8', '--max_bad_steps', '5')
+    assert code == 2
+    line = error(capsys)
+    assert '5 steps in a row' in line and 'learning_rate 10' in line and 'loss scale' in line, line
+    assert files(run_dir)['ckpt.pt'] == before['ckpt.pt'] and files(run_dir)['ckpt.prev.pt'] == before['ckpt.prev.pt']
