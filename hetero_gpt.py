@@ -1478,6 +1478,13 @@ def train(cfg, given=frozenset()):
             tokens += tok_per_step
             tok_log += tok_per_step
             elapsed += time.perf_counter() - t0
+            if cfg.max_bad_steps and bad >= cfg.max_bad_steps:  # diverged: stop, before any checkpoint
+                floor = ', '.join(n for n, e in engines.items() if e.scaler.enabled and e.scaler.scale <= 1.0)
+                raise UserError(f"step {it}: {bad} steps in a row without a usable gradient (loss {out['loss']}): "
+                                f"diverged, likely as --learning_rate {cfg.learning_rate} is too high"
+                                + (f" (fp16 overflows at the loss scale's floor of 1: {floor})" if floor else '')
+                                + (f"; lower it and --resume from {ckpt_path}, the last good step's" if
+                                   os.path.exists(ckpt_path) else "; lower it and start over with --overwrite"))
             row = None
             if it % cfg.log_interval == 0 or it == cfg.max_iters:
                 dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
@@ -1508,20 +1515,13 @@ def train(cfg, given=frozenset()):
             if row:  # the log first, then the checkpoint: a resumed run never lacks a row
                 metrics.write(json.dumps(row) + '\n')
                 metrics.flush()
-                if scheduled and not bad:  # not at timed evaluations (can come every few seconds)
+                if scheduled and (not bad or it == cfg.max_iters):  # not after a dropped step, nor timed evals
                     checkpoint()
                 bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
                                  if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches')})
                 if bar.disable:
                     print(' '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in row.items()))
             bar.update(1)
-            if cfg.max_bad_steps and bad >= cfg.max_bad_steps:  # diverged: stop, the checkpoint the last good
-                floor = ', '.join(n for n, e in engines.items() if e.scaler.enabled and e.scaler.scale <= 1.0)
-                raise UserError(f"step {it}: {bad} steps in a row without a usable gradient (loss {out['loss']}): "
-                                f"diverged, likely as --learning_rate {cfg.learning_rate} is too high"
-                                + (f" (fp16 overflows at the loss scale's floor of 1: {floor})" if floor else '')
-                                + (f"; lower it and --resume from {ckpt_path}, the last good step's" if
-                                   os.path.exists(ckpt_path) else "; lower it and start over with --overwrite"))
     except KeyboardInterrupt:
         checkpoint()
         bar.close()

@@ -246,3 +246,17 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, r
     line = error(capsys)
     assert '5 steps in a row' in line and 'learning_rate 10' in line and 'loss scale' in line, line
     assert files(run_dir)['ckpt.pt'] == before['ckpt.pt'] and files(run_dir)['ckpt.prev.pt'] == before['ckpt.prev.pt']
+
+
+def test_no_checkpoint_after_a_dropped_step_but_the_last(data_dir, tmp_path, monkeypatch):
+    # steps 5 and 10 of 10 (both due a checkpoint) have no usable gradient: step 5 writes
+    # none (its state may be on its way to diverging), the run's last step does
+    calls, real = [], hg.grads_finite
+
+    def finite(grads):  # one call a step (gpu mode): every fifth says no
+        calls.append(1)
+        return len(calls) % 5 != 0 and real(grads)
+    monkeypatch.setattr(hg, 'grads_finite', finite)
+    assert main(data_dir, tmp_path / 'o', '--max_iters', '10', '--mode', 'gpu') == 0
+    assert len(calls) == 10 and not (tmp_path / 'o' / 'ckpt.prev.pt').exists()
+    assert torch.load(tmp_path / 'o' / 'ckpt.pt', weights_only=True)['iter_num'] == 10
