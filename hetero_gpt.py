@@ -21,7 +21,7 @@ Sections, in the order data flows: 1 config, 2 model, 3 the hand-derived forward
 backward and its PyTorch backend, 4 the Core ML program and its engine, 5 the PyTorch
 engines, 6 the concurrent step, 7 the training loop. Beside it: export_ane.py saves,
 reads back, evaluates (NumPy) and reports the Core ML program; energy.py the meters;
-bench.py the side-by-side table of the modes.
+run_files.py the checkpoints and metrics a run keeps; bench.py the side-by-side table.
 """
 import argparse
 import contextlib
