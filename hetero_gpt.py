@@ -21,12 +21,12 @@ Sections, in the order data flows: 1 config, 2 model, 3 the hand-derived forward
 backward and its PyTorch backend, 4 the Core ML program and its engine, 5 the PyTorch
 engines, 6 the concurrent step, 7 the training loop. Beside it: export_ane.py saves,
 reads back, evaluates (NumPy) and reports the Core ML program; energy.py the meters;
-bench.py the side-by-side table of the modes; heartbeat.py which rank stopped a torchrun run.
+bench.py the side-by-side table of the modes; run_files.py the checkpoints and metrics
+a run keeps; distributed.py the torchrun plumbing.
 """
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import functools
 import json
 import math
@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import distributed
 import energy
-import heartbeat
+import run_files
 
 ON_MAC = sys.platform == 'darwin'
 ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (ANE_NOTES section 2)
@@ -97,7 +97,7 @@ class Config(GPTConfig):
     # optimisation
     batch_size: int = opt(8, "sequences per microbatch")
     gradient_accumulation_steps: int = opt(4, "microbatches per optimizer step (hetero splits these)")
-    max_iters: int = opt(1000, "optimizer steps")
+    max_iters: int = opt(1000, "optimizer steps (0: none; a resumed run stops at this step too)")
     learning_rate: float = opt(3e-4, "peak learning rate")
     min_lr: float = opt(3e-5, "learning rate at the end of the cosine decay")
     warmup_iters: int = opt(100, "linear warm-up steps")
@@ -125,6 +125,8 @@ class Config(GPTConfig):
     log_interval: int = opt(10, "print and log training metrics every this many steps")
     out_dir: str = opt('out', "checkpoints and metrics.jsonl go here")
     resume: bool = opt(False, "resume from out_dir/ckpt.pt")
+    overwrite: bool = opt(False, "start over in an out_dir that holds a run (deletes its checkpoints and metrics)")
+    max_bad_steps: int = opt(10, "stop after this many steps in a row without a usable gradient (0: never)")
     sample_tokens: int = opt(200, "tokens of text sampled at the end (0: none)")
     seed: int = opt(1337, "seed for weights and batch order")
     quiet: bool = opt(False, "no progress bar")
@@ -139,6 +141,12 @@ class Config(GPTConfig):
 CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8,
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
+# What each numeric setting allows: setup() checks them all, before anything is written.
+LIMITS = (('> 0', lambda v: 0 < v < math.inf, 'batch_size gradient_accumulation_steps eval_interval log_interval '
+                                              'scale_window loss_scale'),
+          ('>= 0', lambda v: 0 <= v < math.inf, 'max_iters warmup_iters eval_iters sample_tokens seed max_bad_steps '
+                                                'learning_rate min_lr weight_decay grad_clip eval_seconds'),
+          ('in [0, 1)', lambda v: 0 <= v < 1, 'beta1 beta2'))
 
 
 def add_flags(parser, cls, skip=()):
@@ -154,7 +162,9 @@ def add_flags(parser, cls, skip=()):
             parser.add_argument(f'--{f.name}', type=typ, default=f.default, help=f.metadata['help'])
 
 
-def parse_args(argv=None, cls=Config, description="HeteroEngine: GPT-2 on GPU and ANE at once."):
+def parse_args(argv=None, cls=Config, description="HeteroEngine: GPT-2 on GPU and ANE at once. The defaults "
+               "shown are GPT-2 124M's; on a machine without a GPU (device cpu) flags not given take these "
+               "instead: " + ', '.join(f'{k}={v}' for k, v in CPU_DEFAULTS.items()) + "."):
     """(cls(...), the names of the flags the user gave)."""
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -804,7 +814,7 @@ def build_coreml_program(cfg, B, T):
 
 def check_ane_shapes(cfg, B, T):
     if B < 1 or T < 1:
-        raise UserError(f"microbatch {B}x{T}: both must be at least 1")
+        raise UserError(f"microbatch {B}x{T} (--microbatch x --seq_len): both must be at least 1")
     if B * T > ANE_MAX_DIM:
         raise UserError(f"microbatch of {B}x{T} = {B * T} tokens: the ANE program keeps tokens on one "
                         f"axis, which must be at most {ANE_MAX_DIM}; use a smaller --microbatch")
@@ -1070,7 +1080,8 @@ class HeteroStep:
     divided by the count of microbatches that contributed. An engine whose gradients are
     not finite (fp16 overflow) is left out of that step: the mean is then over the other
     engine's microbatches alone, and is still an unbiased gradient. An engine that raises
-    is retired, and its share of the step is run by the other one. Under torchrun, each rank's
+    on a valid batch is retired, and its share of the step is run by the other one (a batch
+    that is no valid input stops the run before either starts). Under torchrun each rank's
     sums and counts are added first. update() clips the mean gradient, takes the AdamW step."""
 
     def __init__(self, model, engines, split, log=print, optimizer=None):
@@ -1086,6 +1097,12 @@ class HeteroStep:
 
     def __call__(self, microbatches):
         """The mean gradient into p.grad; returns dict(loss, used, results)."""
+        try:  # checked first: a batch the model cannot take is an input error, never an engine fault
+            for idx, targets in microbatches:
+                check_batch(self.model.config, idx, targets)
+        except ValueError as e:
+            raise UserError(f"a microbatch of this step is no valid input ({e}): the data is at fault, "
+                            "not an engine") from None
         k = self.split.assign(self.alive)
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
         for name in self.alive:
@@ -1156,9 +1173,9 @@ class HeteroStep:
                 total = g
             else:
                 torch._foreach_add_(total, g)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # a rank with nothing usable adds 0s
+        if distributed.world()[1] > 1:  # torchrun: every rank's sums and counts (nothing usable: 0s)
             total = total or [torch.zeros_like(p) for p in self.params.values()]
-            *total, n_loss = all_reduce_sum(total + [total[0].new_tensor([n, loss])])
+            *total, n_loss = distributed.all_reduce_sum(total + [total[0].new_tensor([n, loss])])
             n, loss = round(n_loss[0].item()), n_loss[1].item()
         if n == 0:  # no usable gradient on any rank: no update
             self.skipped += 1
@@ -1182,14 +1199,6 @@ class HeteroStep:
         return out
 
 
-def all_reduce_sum(tensors):
-    """Each tensor summed over the ranks: one all-reduce of one flat buffer, one network latency."""
-    flat = torch.cat([t.flatten() for t in tensors])
-    buf = flat.cpu() if dist.get_backend() == 'gloo' else flat  # gloo adds CPU tensors (MPS: via the host)
-    dist.all_reduce(buf)
-    return [b.view_as(t) for b, t in zip(buf.to(flat.device).split([t.numel() for t in tensors]), tensors)]
-
-
 # -----------------------------------------------------------------------------
 # 7. The training loop.
 
@@ -1201,10 +1210,12 @@ def resolve_device(name, flag='--device'):
         return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     try:
         dev = torch.device(name)
+        if dev.type not in ('cpu', 'cuda', 'mps'):
+            raise RuntimeError
     except RuntimeError:
         raise UserError(f"{flag} {name!r}: unknown device; use auto, cpu, cuda, cuda:N or mps") from None
-    if dev.type == 'cuda' and not torch.cuda.is_available():
-        raise UserError(f"{flag} {name}: PyTorch sees no CUDA GPU here")
+    if dev.type == 'cuda' and (dev.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"{flag} {name}: PyTorch sees {torch.cuda.device_count()} CUDA GPU(s) here")
     if dev.type == 'mps' and not torch.backends.mps.is_available():
         raise UserError(f"{flag} {name}: MPS is not available here")
     return dev
@@ -1229,7 +1240,7 @@ def load_data(cfg):
         if not os.path.exists(os.path.join(folder, 'meta.json')):
             if cfg.dataset not in prepare_data.DATASETS:
                 raise UserError(f"no data set at {folder}/ ; make one with "
-                                f"`python prepare_data.py --input FILE --name {cfg.dataset}`")
+                                f"`{prepare_data.rebuild_command(folder, None)}`")
             print(f"{folder}/ is missing: running `python prepare_data.py {cfg.dataset}` first")
             prepare_data.prepare(cfg.dataset, data_dir=cfg.data_dir)
         return prepare_data.load_splits(folder, cfg.block_size, cfg.vocab_size)
@@ -1250,11 +1261,6 @@ def step_batches(cfg, data, it):
     x, y = get_batch(data, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.block_size,
                      np.random.default_rng((cfg.seed, it)))
     return list(zip(x.split(cfg.batch_size), y.split(cfg.batch_size)))
-
-
-def rank_share(microbatches):  # under torchrun, rank r of W takes its contiguous [r*n//W, (r+1)*n//W)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    return microbatches[rank * len(microbatches) // world:(rank + 1) * len(microbatches) // world]
 
 
 @torch.no_grad()
@@ -1294,43 +1300,6 @@ def make_optimizer(model, cfg, device):
               {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                              fused=device.type == 'cuda')
-
-
-# ---- several processes (torchrun): one HeteroEngine per machine, or per GPU off a Mac
-def join_ranks(cfg):
-    """Under torchrun (it sets RANK, LOCAL_RANK, MASTER_ADDR, ...) joins the other ranks, off a
-    Mac each on its own GPU (cuda:LOCAL_RANK); rank 0 alone prints. (rank, world): (0, 1) without."""
-    if 'RANK' not in os.environ:
-        return 0, 1
-    device = resolve_device(cfg.device)
-    if device.type == 'cuda' and device.index is None:
-        cfg.device = f"cuda:{os.environ['LOCAL_RANK']}"
-        torch.cuda.set_device(cfg.device)
-    if int(os.environ['RANK']):  # the other ranks write only what goes wrong, to stderr
-        sys.stdout, cfg.quiet = open(os.devnull, 'w'), True
-    dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',  # gloo: CPU tensors (the Mac's too)
-                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
-    heartbeat.start(dist.get_rank(), cfg.dist_timeout)  # so that a rank which stops the run is named
-    if cfg.gradient_accumulation_steps < dist.get_world_size():
-        raise UserError(f"--gradient_accumulation_steps counts all ranks' microbatches: use {dist.get_world_size()}+")
-    return dist.get_rank(), dist.get_world_size()
-
-
-def check_same_weights(model, it):
-    """Names the ranks whose weights parted from rank 0's, by an fp64 checksum of them."""
-    mine = sum(float(p.sum() + p.square().sum()) for p in (q.detach().cpu().double() for q in model.parameters()))
-    dist.all_gather_object(sums := [None] * dist.get_world_size(), mine)
-    # one AdamW step from one all-reduced gradient: equal but for unlike machines' last bits; a missed step: >1e-6
-    parted = [r for r, s in enumerate(sums) if not math.isclose(s, sums[0], rel_tol=1e-6)]
-    if parted:
-        raise RuntimeError(f"at step {it} the weights of ranks {parted} differ from rank 0's (checksums {sums})")
-
-
-def save_checkpoint(path, obj):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
-    tmp = path + '.tmp'
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def eager_engine_class(cfg, device):
@@ -1403,49 +1372,75 @@ def setup(cfg, given, log=print):
             ok = False
         if not ok:
             raise UserError(f"--ane_fraction must be auto or a number in [0, 1], got {cfg.ane_fraction!r}")
-    for k in ('batch_size', 'gradient_accumulation_steps'):
-        if getattr(cfg, k) < 1:
-            raise UserError(f"--{k} must be at least 1")
+    for allowed, ok, names in LIMITS:
+        for k in names.split():
+            if not ok(getattr(cfg, k)):
+                raise UserError(f"--{k} {getattr(cfg, k)}: must be a finite number {allowed}")
     model_config(cfg)  # raises if a size is < 1 or n_embd % n_head
+    top = os.path.abspath(cfg.out_dir)  # the out_dir, or the folder it will be made in
+    while not os.path.exists(top):
+        top = os.path.dirname(top)
+    if not (os.path.isdir(top) and os.access(top, os.W_OK)):
+        raise UserError(f"--out_dir {cfg.out_dir}: {top} is not a folder this user can write in")
+    dtype, ane_dtype = resolve_dtype(cfg.dtype, device), resolve_dtype(cfg.ane_dtype, device, '--ane_dtype')
+    if cfg.ane_device != 'auto' and not ON_MAC:
+        resolve_device(cfg.ane_device, '--ane_device')
+    # the settings given that this run does not use, said once: a flag is never a silent no-op
+    fp16 = dtype == torch.float16 and cfg.mode != 'ane' or cfg.mode != 'gpu' and (ON_MAC or ane_dtype == torch.float16)
+    moot = dict(ane_package=not ON_MAC or cfg.mode == 'gpu', ane_fraction=cfg.mode != 'hetero', loss_scale=not fp16,
+                scale_window=not fp16, compile=ON_MAC and cfg.mode == 'ane')
+    moot |= dict.fromkeys(('ane_device', 'ane_dtype', 'fused_kernels'), ON_MAC or cfg.mode == 'gpu')
+    if unused := [f'--{k}' for k in moot if moot[k] and k in given]:
+        log(f"not used by this run (mode {cfg.mode}{', macOS' if ON_MAC else ''}{'' if fp16 else ', no fp16 engine'}): "
+            + ', '.join(unused))
     if device.type == 'cuda':  # as nanoGPT: fp32 matmuls on tensor cores (TF32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    return device, resolve_dtype(cfg.dtype, device)
+    return device, dtype
 
 
 def train(cfg, given=frozenset()):
-    rank, world = join_ranks(cfg)
+    rank, world = distributed.join_ranks(cfg)
     device, dtype = setup(cfg, given)
+    old_run = run_files.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
     data = load_data(cfg)
     torch.manual_seed(cfg.seed)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    os.makedirs(cfg.out_dir or '.', exist_ok=True)
+    ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
     model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm_write if rank == 0 else
                                                        lambda s: print(f"rank {rank}: {s}", file=sys.stderr))
     split = step.split
-    it, tokens, elapsed, best_val = 0, 0, 0.0, float('inf')
-    ck = None
-    if cfg.resume and rank == 0:  # rank 0's checkpoint: the others may be on machines without it
-        if not os.path.exists(ckpt_path):
-            raise UserError(f"--resume: no checkpoint at {ckpt_path}")
-        ck = torch.load(ckpt_path, map_location='cpu', weights_only=False)
-        if ck['model_args'] != dataclasses.asdict(model.config):
-            raise UserError(f"checkpoint is for {ck['model_args']}, not {dataclasses.asdict(model.config)}")
-    if world > 1:  # every rank starts from rank 0's state: the checkpoint it read, or its fresh weights
-        dist.broadcast_object_list(box := [ck or dict(model={k: v.cpu() for k, v in model.state_dict().items()})])
-        ck = box[0]
-    if ck:
-        model.load_state_dict(ck['model'])
+    it, tokens, elapsed, best_val, bad = 0, 0, 0.0, float('inf'), 0
+    # rank 0 alone reads the checkpoint (the others may be on machines without it) and
+    # every rank starts from its state: the checkpoint, or its fresh weights
+    ck = run_files.load_checkpoint(ckpt_path, 'cpu') if cfg.resume and rank == 0 else None
+    if world > 1:
+        ck = distributed.from_rank0(ck or dict(model={k: v.cpu() for k, v in model.state_dict().items()}))
+    try:  # this run's model and its optimizer's state, or one clear line
+        if cfg.resume and ck['model_args'] != dataclasses.asdict(model.config):
+            raise ValueError(f"a model of {ck['model_args']}, not this run's {dataclasses.asdict(model.config)}")
+        if ck:
+            model.load_state_dict(ck['model'])
+        if cfg.resume:
+            optimizer.load_state_dict(ck['optimizer'])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{ckpt_path} does not fit this run ({' '.join(str(e).split())[:300]}): give the "
+                        "flags of its model, or a new --out_dir") from None
     if cfg.resume:  # the global state, and rank 0's split and loss scales for every rank
-        optimizer.load_state_dict(ck['optimizer'])
         it, tokens, elapsed, best_val = ck['iter_num'], ck['tokens'], ck['elapsed'], ck['best_val_loss']
-        split.load_state_dict(ck['split'])
+        if 'ane_fraction' in given and cfg.mode == 'hetero':
+            print(f"--ane_fraction {cfg.ane_fraction} given: it replaces the checkpoint's split of the microbatches")
+        else:
+            split.load_state_dict(ck['split'])
         for n, e in engines.items():
             e.scaler.scale = ck['loss_scales'].get(n, e.scaler.scale)
+        run_files.truncate_metrics(metrics_path, it)
         print(f"resumed from {ckpt_path} at step {it}")
+    for path in old_run:
+        os.remove(path)
 
     def checkpoint():
         if rank == 0:
-            save_checkpoint(ckpt_path, dict(
+            run_files.save_checkpoint(ckpt_path, dict(
                 model=model.state_dict(), optimizer=optimizer.state_dict(),
                 model_args=dataclasses.asdict(model.config), iter_num=it, tokens=tokens, elapsed=elapsed,
                 best_val_loss=best_val, config=dataclasses.asdict(cfg), split=split.state_dict(),
@@ -1455,22 +1450,31 @@ def train(cfg, given=frozenset()):
     print(f"GPT-2 {n_params / 1e6:.2f}M parameters | mode {cfg.mode} | "
           + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}")
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    metrics = open(os.path.join(cfg.out_dir, 'metrics.jsonl') if rank == 0 else os.devnull, 'a')
+    metrics = open(metrics_path if rank == 0 else os.devnull, 'a')
     evaluator = engines.get('gpu') or AutogradEngine(model, device, dtype)
     bar = make_bar(cfg, it)
     next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0
     j0, t_log, tok_log = meter.joules(), elapsed, 0
+    if it >= cfg.max_iters:
+        print(f"at step {it} of --max_iters {cfg.max_iters}: no steps to train")
     try:
         while it < cfg.max_iters:
             lr = get_lr(cfg, it)
             for g in optimizer.param_groups:
                 g['lr'] = lr
             t0 = time.perf_counter()
-            out = step.update(step(rank_share(step_batches(cfg, data['train'], it))), cfg.grad_clip)
-            it += 1
+            out = step.update(step(distributed.rank_share(step_batches(cfg, data['train'], it))), cfg.grad_clip)
+            it, bad = it + 1, 0 if out['n'] else bad + 1  # n: usable microbatches, over every rank
             tokens += tok_per_step
             tok_log += tok_per_step
             elapsed += time.perf_counter() - t0
+            if cfg.max_bad_steps and bad >= cfg.max_bad_steps:  # diverged: stop, before any checkpoint
+                floor = ', '.join(n for n, e in engines.items() if e.scaler.enabled and e.scaler.scale <= 1.0)
+                raise UserError(f"step {it}: {bad} steps in a row without a usable gradient (loss {out['loss']}): "
+                                f"diverged, likely as --learning_rate {cfg.learning_rate} is too high"
+                                + (f" (fp16 overflows at the loss scale's floor of 1: {floor})" if floor else '')
+                                + (f"; lower it and --resume from {ckpt_path}, the last good step's" if
+                                   os.path.exists(ckpt_path) else "; lower it and start over with --overwrite"))
             row = None
             if it % cfg.log_interval == 0 or it == cfg.max_iters:
                 dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
@@ -1487,8 +1491,7 @@ def train(cfg, given=frozenset()):
                     row['joules_per_token'] = (j - j0) / tok_log
                     j0 = j
                 if world > 1:  # the keys after mode are this rank's own: every rank's into rank 0's row
-                    dist.all_gather_object(ranks := [None] * world, {k: row.pop(k) for k in list(row)[7:]})
-                    row['ranks'] = ranks
+                    row['ranks'] = distributed.gather({k: row.pop(k) for k in list(row)[7:]})
                 t_log, tok_log = elapsed, 0
             timed_eval = cfg.eval_seconds > 0 and elapsed >= next_eval_s
             if timed_eval:  # at fixed training time (steps only; evaluation is not counted)
@@ -1497,8 +1500,7 @@ def train(cfg, given=frozenset()):
                     next_eval_s += cfg.eval_seconds
             scheduled = it % cfg.eval_interval == 0 or it == cfg.max_iters
             if scheduled or timed_eval:
-                if world > 1:
-                    check_same_weights(model, it)
+                distributed.check_same_weights(model, it)
                 val = evaluate(model, evaluator, cfg, data['val'])
                 best_val = min(best_val, val)
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
@@ -1506,7 +1508,7 @@ def train(cfg, given=frozenset()):
             if row:  # the log first, then the checkpoint: a resumed run never lacks a row
                 metrics.write(json.dumps(row) + '\n')
                 metrics.flush()
-                if scheduled:  # not at timed evaluations: those can come every few seconds
+                if scheduled and (not bad or it == cfg.max_iters):  # not after a dropped step, nor timed evals
                     checkpoint()
                 bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
                                  if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches')})
@@ -1520,8 +1522,7 @@ def train(cfg, given=frozenset()):
         return model
     bar.close()
     metrics.close()
-    if world > 1:
-        dist.destroy_process_group()
+    distributed.leave()
     if cfg.sample_tokens > 0 and rank == 0:
         import prepare_data
         enc = prepare_data.get_encoding()
@@ -1551,9 +1552,9 @@ def main(argv=None, run=train, cls=Config):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as e:  # under torchrun: one line that names the ranks that stopped the run
-        heartbeat.exit_naming_stopped(e, cfg.dist_timeout)  # (without torchrun: raises e)
+        distributed.exit_naming_stopped(e, cfg.dist_timeout)  # (without torchrun: raises e)
 
 
 if __name__ == '__main__':
-    sys.modules.setdefault('hetero_gpt', sys.modules[__name__])  # standin.py imports this module by name
-    main()
+    import hetero_gpt  # this file as the module the files beside it import, so that all share one copy
+    hetero_gpt.main()

@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
+import distributed
 import torch.multiprocessing as mp
 
 import hetero_gpt as hg
@@ -136,12 +138,12 @@ def cross_rank_worker(rank, init):
         else:
             assert step.skipped == 1 and all(p.grad is None for p in model.parameters())
         step.update(out)  # every rank steps (rank 0 too, with nothing of its own), or none does
-        hg.check_same_weights(model, 1)
+        distributed.check_same_weights(model, 1)
     if rank == 1:  # weights that part are named on every rank
         with torch.no_grad():
             next(model.parameters()).add_(1e-3)
     with pytest.raises(RuntimeError, match=r'weights of ranks \[1\] differ'):
-        hg.check_same_weights(model, 2)
+        distributed.check_same_weights(model, 2)
     dist.destroy_process_group()
 
 

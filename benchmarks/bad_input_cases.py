@@ -1,0 +1,337 @@
+"""
+Bad input, tried as a new user would: bad flags, broken data, broken checkpoints,
+interrupted runs and misplaced outputs, each case its own process on a tiny configuration
+(CPU) in a folder of its own under a temporary directory.
+
+    python benchmarks/bad_input_cases.py [--only WORD] [--keep DIR]
+
+A case is clean when it exits non-zero with one `error:` line and no traceback, or exits
+0 where the input is legitimately fine (a setting that does not apply, a resume); and, in
+either case, every file that was there before is byte for byte as it was (except those
+the case is meant to change: a resumed run's checkpoint and metrics). Prints one row per
+case, then "cases N, clean C, traceback T, data lost L". Takes a few minutes; the fast
+per-kind checks are tests/test_bad_input.py.
+"""
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--dataset', 'tiny', '--data_dir', 'data', '--out_dir', 'out', '--max_iters', '10', '--n_layer', '1',
+        '--n_head', '2', '--n_embd', '16', '--block_size', '16', '--batch_size', '2',
+        '--gradient_accumulation_steps', '2', '--warmup_iters', '2', '--eval_iters', '1', '--sample_tokens', '0',
+        '--quiet', '--device', 'cpu', '--log_interval', '5', '--eval_interval', '5']
+ERROR_LINE = re.compile(r'^(\S+: )?error: ')  # ours, argparse's ("prog: error: ...") and prepare_data.py's
+
+
+# runs the command after it, and presses Ctrl-C (SIGINT) once it has logged its first row
+CTRL_C = """
+import signal, subprocess, sys
+p = subprocess.Popen([sys.executable] + sys.argv[1:], stdout=subprocess.PIPE, text=True)
+for line in p.stdout:
+    print(line, end='')
+    if line.startswith('step '):
+        p.send_signal(signal.SIGINT)
+        break
+print(p.communicate()[0], end='')
+sys.exit(p.returncode)
+"""
+
+
+def python(*args, cwd):
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def train(*flags):
+    return [os.path.join(ROOT, 'hetero_gpt.py'), *TINY, *flags]
+
+
+def export(*flags):
+    return [os.path.join(ROOT, 'export_ane.py'), '--n_layer', '1', '--n_head', '1', '--n_embd', '8',
+            '--block_size', '8', '--vocab_size', '50', *flags]
+
+
+def prepare(*flags):
+    return [os.path.join(ROOT, 'prepare_data.py'), *flags]
+
+
+def files(folder):
+    out = {}
+    for root, _, names in os.walk(folder):
+        for n in names:
+            p = os.path.join(root, n)
+            with open(p, 'rb') as f:
+                out[os.path.relpath(p, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+# ---- what a case sets up in its folder (which already holds data/ and, with run=True, out/)
+
+def write(path, data):
+    def setup(d):
+        os.makedirs(os.path.dirname(os.path.join(d, path)) or d, exist_ok=True)
+        with open(os.path.join(d, path), 'wb') as f:
+            f.write(data if isinstance(data, bytes) else data.encode())
+    return setup
+
+
+def truncate(path, size):
+    def setup(d):
+        with open(os.path.join(d, path), 'r+b') as f:
+            f.truncate(size)
+    return setup
+
+
+def remove(*paths):
+    def setup(d):
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(d, p))
+    return setup
+
+
+def both(*setups):
+    def setup(d):
+        for s in setups:
+            s(d)
+    return setup
+
+
+def torch_save(path, make):
+    def setup(d):
+        python('-c', f"import torch; torch.save({make}, {os.path.join(d, path)!r})", cwd=d)
+    return setup
+
+
+def token_past_vocab(d):
+    path = os.path.join(d, 'data', 'tiny', 'train.bin')
+    with open(path, 'r+b') as f:
+        f.seek(14)
+        f.write((60000).to_bytes(2, 'little'))
+
+
+class Evil:  # a pickle that runs a command when loaded: it must never run
+    def __reduce__(self):
+        return (os.system, ('touch PWNED',))
+
+
+def evil_checkpoint(d):
+    with open(os.path.join(d, 'out', 'ckpt.pt'), 'wb') as f:
+        pickle.dump(Evil(), f)
+    remove('out/ckpt.prev.pt')(d)
+
+
+def rows_past_checkpoint(d):
+    with open(os.path.join(d, 'out', 'metrics.jsonl'), 'a') as f:
+        f.write(json.dumps({'step': 15, 'loss': 1.0}) + '\n{"step": 2')
+
+
+def export_package(d):
+    python(*export('--microbatch', '2', '--out', 'pkg.mlpackage'), cwd=d)
+
+
+# ---- checks on what an exit-0 case did
+
+def steps_once(d, p):
+    try:
+        steps = [json.loads(line)['step'] for line in open(os.path.join(d, 'out', 'metrics.jsonl'))]
+    except (ValueError, KeyError) as e:
+        return f"metrics.jsonl has a broken row ({e})"
+    return '' if steps == sorted(set(steps)) else f"metrics steps {steps}"
+
+
+def says(word):
+    return lambda d, p: '' if word in p.stdout + p.stderr else f"does not say {word!r}"
+
+
+def never_ran(d, p):
+    return 'the pickle ran code' if os.path.exists(os.path.join(d, 'PWNED')) else ''
+
+
+RESUMED = ('out/ckpt.pt', 'out/ckpt.prev.pt', 'out/metrics.jsonl')  # what a resumed run may rewrite
+
+# (name, command, 'error' or 'ok', setup, needs the finished run in out/, files it may change, check)
+CASES = [
+    # bad flags
+    ('negative learning rate', train('--learning_rate', '-1'), 'error'),
+    ('negative min_lr', train('--min_lr', '-0.5'), 'error'),
+    ('beta1 = 1', train('--beta1', '1'), 'error'),
+    ('negative beta2', train('--beta2', '-0.1'), 'error'),
+    ('negative weight decay', train('--weight_decay', '-1'), 'error'),
+    ('negative grad_clip', train('--grad_clip', '-1'), 'error'),
+    ('eval_interval 0', train('--eval_interval', '0'), 'error'),
+    ('log_interval 0', train('--log_interval', '0'), 'error'),
+    ('max_iters -1', train('--max_iters', '-1'), 'error'),
+    ('max_iters 0', train('--max_iters', '0'), 'ok', None, False, (), says('no steps to train')),
+    ('eval_iters -3', train('--eval_iters', '-3'), 'error'),
+    ('negative eval_seconds', train('--eval_seconds', '-1'), 'error'),
+    ('negative warmup', train('--warmup_iters', '-1'), 'error'),
+    ('loss_scale 0', train('--loss_scale', '0'), 'error'),
+    ('scale_window 0', train('--scale_window', '0'), 'error'),
+    ('negative sample_tokens', train('--sample_tokens', '-1'), 'error'),
+    ('negative seed', train('--seed', '-1'), 'error'),
+    ('negative max_bad_steps', train('--max_bad_steps', '-1'), 'error'),
+    ('batch_size 0', train('--batch_size', '0'), 'error'),
+    ('gradient_accumulation_steps 0', train('--gradient_accumulation_steps', '0'), 'error'),
+    ('learning rate nan', train('--learning_rate', 'nan'), 'error'),
+    ('learning rate inf', train('--learning_rate', 'inf'), 'error'),
+    ('n_embd not divisible by n_head', train('--n_embd', '30', '--n_head', '4'), 'error'),
+    ('n_layer 0', train('--n_layer', '0'), 'error'),
+    ('block_size past the data', train('--block_size', '100000'), 'error'),
+    ('vocab smaller than the data', train('--vocab_size', '100'), 'error'),
+    ('unknown dtype', train('--dtype', 'half'), 'error'),
+    ('unknown ane_dtype', train('--ane_dtype', 'float17', '--mode', 'ane'), 'error'),
+    ('unknown ane_dtype, gpu mode', train('--ane_dtype', 'float17', '--mode', 'gpu'), 'error'),
+    ('unknown device', train('--device', 'tpu'), 'error'),
+    ('device cuda:7', train('--device', 'cuda:7'), 'error'),
+    ('ane_device cuda:7', train('--ane_device', 'cuda:7', '--mode', 'hetero'), 'error'),
+    ('unknown mode', train('--mode', 'tpu'), 'error'),
+    ('ane_fraction 1.5', train('--ane_fraction', '1.5'), 'error'),
+    ('ane_fraction abc', train('--ane_fraction', 'abc'), 'error'),
+    ('max_iters abc', train('--max_iters', 'abc'), 'error'),
+    ('unknown flag', train('--no_such_flag', '1'), 'error'),
+    ('bool flag value', train('--quiet', 'maybe'), 'error'),
+    ('--resume and --overwrite', train('--resume', '--overwrite'), 'error'),
+    ('settings that do not apply', train('--mode', 'gpu', '--max_iters', '2', '--ane_package', 'x.mlpackage',
+                                         '--ane_fraction', '0.5', '--loss_scale', '8'), 'ok', None, False, (),
+     says('not used')),
+    # misplaced outputs
+    ('out_dir is a file', train('--out_dir', 'notes.txt'), 'error', write('notes.txt', 'mine')),
+    ('out_dir under a file', train('--out_dir', 'notes.txt/run'), 'error', write('notes.txt', 'mine')),
+    ('second run into a finished run', train('--max_iters', '10'), 'error', None, True),
+    ('out_dir empty: the current folder', train('--out_dir', '', '--max_iters', '2'), 'ok'),
+    ('data_dir is a file', train('--data_dir', 'notes.txt'), 'error', write('notes.txt', 'mine')),
+    ('second run with --overwrite', train('--max_iters', '5', '--overwrite'), 'ok', None, True, RESUMED),
+    ('only metrics.jsonl, no --resume', train('--max_iters', '5'), 'error', remove('out/ckpt.pt', 'out/ckpt.prev.pt'),
+     True),
+    ('export: microbatch 0', export('--microbatch', '0', '--out', 'a.mlpackage'), 'error'),
+    ('export: negative seq_len', export('--seq_len', '-3', '--out', 'a.mlpackage'), 'error'),
+    ('export: too many tokens', export('--microbatch', '4000', '--out', 'a.mlpackage'), 'error'),
+    ('export: n_embd not divisible', export('--n_embd', '30', '--n_head', '4', '--out', 'a.mlpackage'), 'error'),
+    ('export: --out is a file', export('--out', 'notes.txt'), 'error', write('notes.txt', 'mine')),
+    ('export: --out is a folder of files', export('--out', 'mine'), 'error', write('mine/keep.txt', 'mine')),
+    ('export: --out in a new folder', export('--out', 'new/sub/a.mlpackage'), 'ok'),
+    ('export: over its own package', export('--microbatch', '3', '--out', 'pkg.mlpackage'), 'ok', export_package,
+     False, ('pkg.mlpackage',)),
+    # broken data
+    ('no such data set', train('--dataset', 'nonesuch'), 'error'),
+    ('data set folder without meta.json', train(), 'error', remove('data/tiny/meta.json')),
+    ('meta.json not JSON', train(), 'error', write('data/tiny/meta.json', '{not json')),
+    ('meta.json a list', train(), 'error', write('data/tiny/meta.json', '[1, 2]')),
+    ('meta.json empty', train(), 'error', write('data/tiny/meta.json', '')),
+    ('train.bin truncated', train(), 'error', truncate('data/tiny/train.bin', 100)),
+    ('train.bin odd size', train(), 'error', truncate('data/tiny/train.bin', 101)),
+    ('val.bin missing', train(), 'error', remove('data/tiny/val.bin')),
+    ('token id past the vocabulary', train(), 'error', token_past_vocab),
+    ('prepare: missing input', prepare('--input', 'nothing.txt'), 'error'),
+    ('prepare: empty input', prepare('--input', 'empty.txt'), 'error', write('empty.txt', '')),
+    ('prepare: not UTF-8', prepare('--input', 'latin.txt'), 'error', write('latin.txt', b'caf\xe9 ' * 100)),
+    ('prepare: unknown set', prepare('nonesuch'), 'error'),
+    # broken checkpoints
+    ('resume without a checkpoint', train('--resume'), 'error'),
+    ('resume: truncated checkpoint', train('--resume', '--max_iters', '20'), 'error',
+     both(truncate('out/ckpt.pt', 1000), remove('out/ckpt.prev.pt')), True),
+    ('resume: empty checkpoint', train('--resume', '--max_iters', '20'), 'error',
+     both(write('out/ckpt.pt', b''), remove('out/ckpt.prev.pt')), True),
+    ('resume: random bytes', train('--resume', '--max_iters', '20'), 'error',
+     both(write('out/ckpt.pt', os.urandom(4096)), remove('out/ckpt.prev.pt')), True),
+    ('resume: a dict of other things', train('--resume', '--max_iters', '20'), 'error',
+     both(torch_save('out/ckpt.pt', "{'model': {}, 'iter_num': 3}"), remove('out/ckpt.prev.pt')), True),
+    ('resume: a bare state dict', train('--resume', '--max_iters', '20'), 'error',
+     both(torch_save('out/ckpt.pt', "torch.load('out/ckpt.pt')['model']"), remove('out/ckpt.prev.pt')), True),
+    ('resume: a tensor', train('--resume', '--max_iters', '20'), 'error',
+     both(torch_save('out/ckpt.pt', 'torch.zeros(3)'), remove('out/ckpt.prev.pt')), True),
+    ('resume: a pickle that runs code', train('--resume', '--max_iters', '20'), 'error', evil_checkpoint, True, (),
+     never_ran),
+    ('resume: other model sizes', train('--resume', '--max_iters', '20', '--n_embd', '32'), 'error', None, True),
+    ('resume: damaged, previous fine', train('--resume', '--max_iters', '20'), 'error',
+     truncate('out/ckpt.pt', 1000), True, (), says('ckpt.prev.pt (step 5) is usable')),
+    ('resume: ckpt.pt gone, previous there', train('--resume', '--max_iters', '20'), 'error',
+     remove('out/ckpt.pt'), True, (), says('ckpt.prev.pt (step 5) is usable')),
+    # interrupted runs
+    ('resume after a kill mid-save', train('--resume', '--max_iters', '15'), 'ok',
+     write('out/ckpt.pt.tmp', b'\0' * 999), True, RESUMED + ('out/ckpt.pt.tmp',), steps_once),
+    ('Ctrl-C mid-run', ['-c', CTRL_C, *train('--max_iters', '100000')], 'ok', None, False, (), says('interrupted')),
+    ('Ctrl-C mid-run, then resumed', ['-c', CTRL_C, *train('--max_iters', '100000', '--resume')], 'ok', None, True,
+     RESUMED, steps_once),
+    ('resume after rows past the checkpoint', train('--resume', '--max_iters', '15'), 'ok', rows_past_checkpoint, True,
+     RESUMED, steps_once),
+    ('resume past max_iters', train('--resume', '--max_iters', '5'), 'ok', None, True, RESUMED,
+     says('no steps to train')),
+    ('resume with --ane_fraction given', train('--resume', '--max_iters', '15', '--mode', 'hetero',
+                                               '--ane_fraction', '1', '--ane_dtype', 'float32'), 'ok', None, True,
+     RESUMED, says('--ane_fraction 1 given')),
+    ('diverging fp16 run', train('--resume', '--max_iters', '40', '--mode', 'ane', '--learning_rate', '10',
+                                 '--warmup_iters', '0', '--loss_scale', '8', '--max_bad_steps', '5'), 'error', None,
+     True, ('out/metrics.jsonl',)),
+    ('diverging fp32 run from the start', train('--max_iters', '40', '--learning_rate', '1000', '--warmup_iters', '0'),
+     'error'),
+]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--only', default='', help="run only the cases whose name holds this")
+    p.add_argument('--keep', default='', help="work in this folder and keep it (default: a temporary one)")
+    a = p.parse_args()
+    root = a.keep or tempfile.mkdtemp(prefix='bad_input_')
+    os.makedirs(root, exist_ok=True)
+    lines = [f"The {w} of the {v} is {n} and the {v} is {w}." for n in range(40)
+             for w, v in (('king', 'crown'), ('queen', 'court'), ('fool', 'jest'))]
+    with open(os.path.join(root, 'tiny.txt'), 'w') as f:
+        f.write('\n'.join(lines * 3) + '\n')
+    base = os.path.join(root, 'base')
+    assert python(*prepare('--input', os.path.join(root, 'tiny.txt'), '--data_dir', os.path.join(base, 'data')),
+                  cwd=root).returncode == 0
+    finished = os.path.join(root, 'finished')
+    shutil.copytree(base, finished)
+    r = python(*train('--max_iters', '10'), cwd=finished)
+    assert r.returncode == 0, r.stderr
+    tally = dict(cases=0, clean=0, traceback=0, lost=0)
+    print(f"{'case':42s} {'want':5s} {'rc':>3s} {'clean':5s}  first line of stderr (or the problem)")
+    for i, (name, cmd, want, *rest) in enumerate(CASES):
+        setup, with_run, may_change, check = (rest + [None, False, (), None][len(rest):])
+        if a.only not in name:
+            continue
+        d = os.path.join(root, f'case{i:02d}')
+        shutil.copytree(finished if with_run else base, d)
+        if setup:
+            setup(d)
+        before = files(d)
+        t0 = time.perf_counter()
+        r = python(*cmd, cwd=d)
+        after = files(d)
+        lost = [f for f in before if after.get(f) != before[f] and not any(f == m or f.startswith(m + '/')
+                                                                         for m in may_change)]
+        err_lines = [line for line in r.stderr.splitlines() if ERROR_LINE.match(line)]
+        traceback = 'Traceback' in r.stderr
+        problem = check(d, r) if check and (r.returncode == 0) == (want == 'ok') else ''
+        if want == 'ok':
+            clean = r.returncode == 0 and not traceback and not lost and not problem
+        else:
+            clean = r.returncode != 0 and len(err_lines) == 1 and not traceback and not lost and not problem
+        tally['cases'] += 1
+        tally['clean'] += clean
+        tally['traceback'] += traceback
+        tally['lost'] += bool(lost)
+        said = problem or (f"changed: {', '.join(lost)}" if lost else '') or \
+            (err_lines[0] if err_lines else (r.stderr.strip().splitlines() or ['(nothing)'])[-1])
+        print(f"{name:42s} {want:5s} {r.returncode:3d} {'yes' if clean else 'NO':5s}  "
+              f"{said[:150]}  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if not a.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"cases {tally['cases']}, clean {tally['clean']}, traceback {tally['traceback']}, data lost {tally['lost']}")
+
+
+if __name__ == '__main__':
+    main()
