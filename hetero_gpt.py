@@ -1232,18 +1232,10 @@ def resolve_dtype(name, device, flag='--dtype'):
 
 
 def load_data(cfg):
-    """train/val token arrays (uint16 memmaps), checked by prepare_data.load_splits;
-    a known data set that is missing is prepared first."""
+    """train/val token arrays (uint16 memmaps), checked; a known data set is prepared first."""
     import prepare_data
-    folder = os.path.join(cfg.data_dir, cfg.dataset)
     try:
-        if not os.path.exists(os.path.join(folder, 'meta.json')):
-            if cfg.dataset not in prepare_data.DATASETS:
-                raise UserError(f"no data set at {folder}/ ; make one with "
-                                f"`{prepare_data.rebuild_command(folder, None)}`")
-            print(f"{folder}/ is missing: running `python prepare_data.py {cfg.dataset}` first")
-            prepare_data.prepare(cfg.dataset, data_dir=cfg.data_dir)
-        return prepare_data.load_splits(folder, cfg.block_size, cfg.vocab_size)
+        return prepare_data.load(cfg.data_dir, cfg.dataset, cfg.block_size, cfg.vocab_size)
     except prepare_data.DataError as e:
         raise UserError(str(e)) from None
 
@@ -1345,7 +1337,7 @@ def build_run(cfg, device, dtype, mode, log=print):
     model = GPT(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
     optimizer = make_optimizer(model, cfg, device)
     engines = build_engines(cfg, model, device, dtype, mode, log)
-    split = Split(len(rank_share(range(cfg.gradient_accumulation_steps))),  # this rank's share (torchrun)
+    split = Split(len(distributed.rank_share(range(cfg.gradient_accumulation_steps))),  # this rank's share (torchrun)
                   {'gpu': '0', 'ane': '1', 'hetero': cfg.ane_fraction}[mode])
     meter = energy.EnergyMeter({device} | {e.device for e in engines.values()})
     return model, optimizer, engines, HeteroStep(model, engines, split, log=log, optimizer=optimizer), meter
@@ -1377,11 +1369,6 @@ def setup(cfg, given, log=print):
             if not ok(getattr(cfg, k)):
                 raise UserError(f"--{k} {getattr(cfg, k)}: must be a finite number {allowed}")
     model_config(cfg)  # raises if a size is < 1 or n_embd % n_head
-    top = os.path.abspath(cfg.out_dir)  # the out_dir, or the folder it will be made in
-    while not os.path.exists(top):
-        top = os.path.dirname(top)
-    if not (os.path.isdir(top) and os.access(top, os.W_OK)):
-        raise UserError(f"--out_dir {cfg.out_dir}: {top} is not a folder this user can write in")
     dtype, ane_dtype = resolve_dtype(cfg.dtype, device), resolve_dtype(cfg.ane_dtype, device, '--ane_dtype')
     if cfg.ane_device != 'auto' and not ON_MAC:
         resolve_device(cfg.ane_device, '--ane_device')
@@ -1409,32 +1396,8 @@ def train(cfg, given=frozenset()):
     model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm_write if rank == 0 else
                                                        lambda s: print(f"rank {rank}: {s}", file=sys.stderr))
     split = step.split
-    it, tokens, elapsed, best_val, bad = 0, 0, 0.0, float('inf'), 0
-    # rank 0 alone reads the checkpoint (the others may be on machines without it) and
-    # every rank starts from its state: the checkpoint, or its fresh weights
-    ck = run_files.load_checkpoint(ckpt_path, 'cpu') if cfg.resume and rank == 0 else None
-    if world > 1:
-        ck = distributed.from_rank0(ck or dict(model={k: v.cpu() for k, v in model.state_dict().items()}))
-    try:  # this run's model and its optimizer's state, or one clear line
-        if cfg.resume and ck['model_args'] != dataclasses.asdict(model.config):
-            raise ValueError(f"a model of {ck['model_args']}, not this run's {dataclasses.asdict(model.config)}")
-        if ck:
-            model.load_state_dict(ck['model'])
-        if cfg.resume:
-            optimizer.load_state_dict(ck['optimizer'])
-    except (RuntimeError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{ckpt_path} does not fit this run ({' '.join(str(e).split())[:300]}): give the "
-                        "flags of its model, or a new --out_dir") from None
-    if cfg.resume:  # the global state, and rank 0's split and loss scales for every rank
-        it, tokens, elapsed, best_val = ck['iter_num'], ck['tokens'], ck['elapsed'], ck['best_val_loss']
-        if 'ane_fraction' in given and cfg.mode == 'hetero':
-            print(f"--ane_fraction {cfg.ane_fraction} given: it replaces the checkpoint's split of the microbatches")
-        else:
-            split.load_state_dict(ck['split'])
-        for n, e in engines.items():
-            e.scaler.scale = ck['loss_scales'].get(n, e.scaler.scale)
-        run_files.truncate_metrics(metrics_path, it)
-        print(f"resumed from {ckpt_path} at step {it}")
+    it, tokens, elapsed, best_val = run_files.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
+    bad = 0  # steps in a row without a usable gradient
     for path in old_run:
         os.remove(path)
 

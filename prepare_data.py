@@ -336,6 +336,18 @@ def load_splits(folder, block_size, vocab_size):
     return data
 
 
+def load(data_dir, name, block_size, vocab_size):
+    """load_splits of data_dir/name; a known data set (DATASETS) that is missing is prepared first."""
+    folder = Path(data_dir) / name
+    if not (folder / "meta.json").exists():
+        if name not in DATASETS:
+            raise DataError(f"no data set at {folder}/ ; make one with `python prepare_data.py --input FILE "
+                            f"--name {name}" + ("" if Path(data_dir) == Path("data") else f" --data_dir {data_dir}") + "`")
+        print(f"{folder}/ is missing: running `python prepare_data.py {name}` first")
+        prepare(name, data_dir=data_dir)
+    return load_splits(folder, block_size, vocab_size)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Tokenize a data set with GPT-2 BPE into uint16 .bin files.")
     parser.add_argument("dataset", nargs="?", help=f"one of: {', '.join(DATASETS)}")

@@ -8,12 +8,14 @@ What a training run keeps in its out_dir, and the rules that keep it safe:
 A run never replaces what another one made: an out_dir that holds any of these needs
 --resume (continue it) or --overwrite (delete it and start over).
 """
+import dataclasses
 import json
 import os
 import warnings
 
 import torch
 
+import distributed
 import hetero_gpt as hg
 
 RUN_FILES = ('ckpt.pt', 'ckpt.prev.pt', 'metrics.jsonl')
@@ -25,6 +27,11 @@ def check_out_dir(cfg):
     """The files of an earlier run in cfg.out_dir that this run is to delete (--overwrite),
     once everything else is checked; UserError if it holds a run and neither --resume nor
     --overwrite says what to do with it."""
+    top = os.path.abspath(cfg.out_dir)  # the out_dir, or the folder it will be made in
+    while not os.path.exists(top):
+        top = os.path.dirname(top)
+    if not (os.path.isdir(top) and os.access(top, os.W_OK)):
+        raise hg.UserError(f"--out_dir {cfg.out_dir}: {top} is not a folder this user can write in")
     if cfg.resume and cfg.overwrite:
         raise hg.UserError("--resume continues the run in out_dir and --overwrite deletes it: give one of them")
     found = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
@@ -92,3 +99,35 @@ def truncate_metrics(path, step):
         with open(path) as f, open(path + '.tmp', 'w') as out:
             out.writelines(line for line in f if upto(line))
         os.replace(path + '.tmp', path)
+
+
+def resume(cfg, given, path, model, optimizer, split, engines, rank):
+    """(step, tokens, elapsed, best val loss) to start from: with --resume the checkpoint's,
+    its weights, optimizer state, split and loss scales loaded; else a fresh run's. Rank 0
+    alone reads the checkpoint (the others may be on machines without it) and under torchrun
+    every rank starts from its state: the checkpoint, or rank 0's fresh weights."""
+    ck = load_checkpoint(path, 'cpu') if cfg.resume and rank == 0 else None
+    if distributed.world()[1] > 1:
+        ck = distributed.from_rank0(ck or dict(model={k: v.cpu() for k, v in model.state_dict().items()}))
+    try:  # this run's model and its optimizer's state, or one clear line
+        if cfg.resume and ck['model_args'] != dataclasses.asdict(model.config):
+            raise ValueError(f"a model of {ck['model_args']}, not this run's {dataclasses.asdict(model.config)}")
+        if ck:
+            model.load_state_dict(ck['model'])
+        if cfg.resume:
+            optimizer.load_state_dict(ck['optimizer'])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise hg.UserError(f"{path} does not fit this run ({' '.join(str(e).split())[:300]}): give the "
+                           "flags of its model, or a new --out_dir") from None
+    if not cfg.resume:
+        return 0, 0, 0.0, float('inf')
+    if 'ane_fraction' in given and cfg.mode == 'hetero':
+        print(f"--ane_fraction {cfg.ane_fraction} given: it replaces the checkpoint's split of the microbatches")
+    else:
+        split.load_state_dict(ck['split'])
+    for n, e in engines.items():  # rank 0's loss scales for every rank
+        e.scaler.scale = ck['loss_scales'].get(n, e.scaler.scale)
+    if rank == 0:
+        truncate_metrics(os.path.join(cfg.out_dir, 'metrics.jsonl'), ck['iter_num'])
+    print(f"resumed from {path} at step {ck['iter_num']}")
+    return ck['iter_num'], ck['tokens'], ck['elapsed'], ck['best_val_loss']
