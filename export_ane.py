@@ -61,19 +61,26 @@ def analytic_flops(cfg, B, T):
     return 6 * N * matrices + attention, 6 * N * params + attention
 
 
+def is_sum(op):
+    """A sum or mean as a matmul with a constant vector (MILOps._dot): the derivation's own
+    matmuls multiply two runtime tensors (weights are inputs), these one and a constant."""
+    return op.op_type == 'matmul' and any(op.inputs[k].val is not None for k in ('x', 'y'))
+
+
 def program_report(prog, cfg, B, T):
     """What is in the program, computed from the program itself (the saved one, read back)."""
     f = prog.functions['main']
     ops = [op for op in f.operations if op.op_type != 'const']
     kinds = collections.Counter(op.op_type for op in ops)
     flops = sum(op_flops(op) for op in ops)
-    mm = sum(op_flops(op) for op in ops if op.op_type == 'matmul')
+    mm = sum(op_flops(op) for op in ops if op.op_type == 'matmul' and not is_sum(op))
+    sums = sum(op_flops(op) for op in ops if is_sum(op))
     dims = [d for op in f.operations for v in op.outputs if hasattr(v, 'shape') for d in v.shape]
     dims += [d for v in f.inputs.values() for d in v.shape]
     ranks = [len(v.shape) for op in f.operations for v in op.outputs if hasattr(v, 'shape')]
     nbytes = lambda vs: sum(int(np.prod(v.shape)) * 2 for v in vs)  # fp16: 2 bytes an element
     exact, estimate = analytic_flops(cfg, B, T)
-    return dict(ops=len(ops), op_types=dict(kinds.most_common()), flops=flops, matmul_flops=mm,
+    return dict(ops=len(ops), op_types=dict(kinds.most_common()), flops=flops, matmul_flops=mm, sum_flops=sums,
                 analytic_matmul_flops=exact, estimate_flops=estimate,
                 bytes_in=nbytes(f.inputs.values()), bytes_out=nbytes(f.outputs),
                 largest_dim=max(dims), max_rank=max(ranks),
@@ -212,7 +219,8 @@ def numpy_predict(prog):
 
 def print_report(r):
     print(f"ops: {r['ops']}  " + ', '.join(f'{k} {v}' for k, v in r['op_types'].items()))
-    print(f"FLOPs per call: {r['flops'] / 1e9:.3f} G total, {r['matmul_flops'] / 1e9:.3f} G in matmuls")
+    print(f"FLOPs per call: {r['flops'] / 1e9:.3f} G total, {r['matmul_flops'] / 1e9:.3f} G in the derivation's "
+          f"matmuls, {r['sum_flops'] / 1e9:.3f} G in sums and means as matmuls (a constant vector)")
     print(f"  analytic matmul count {r['analytic_matmul_flops'] / 1e9:.3f} G "
           f"({100 * (r['matmul_flops'] / r['analytic_matmul_flops'] - 1):+.2f}%); 6*params*tokens + attention "
           f"{r['estimate_flops'] / 1e9:.3f} G (total {100 * (r['flops'] / r['estimate_flops'] - 1):+.2f}%)")

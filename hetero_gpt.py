@@ -764,8 +764,6 @@ class MILOps(Derivation):
     def log(self, x): return self._u('log', x)
     def tanh(self, x): return self._u('tanh', x)
     def rsqrt(self, x): return self._u('rsqrt', x)
-    def sum(self, x, axis, keep=True): return self._u('reduce_sum', x, axes=[axis], keep_dims=keep)
-    def mean(self, x, axis): return self._u('reduce_mean', x, axes=[axis], keep_dims=True)
     def max(self, x, axis): return self._u('reduce_max', x, axes=[axis], keep_dims=True)
     def softmax(self, x, axis): return self._u('softmax', x, axis=axis)
     def reshape(self, x, shape): return self._u('reshape', x, shape=list(shape))
@@ -773,6 +771,21 @@ class MILOps(Derivation):
 
     def maximum(self, a, b):
         return MILTensor(self.mb.maximum(x=a.v, y=b.v))
+
+    # For the ANE's fp16, the math unchanged: its reduce_sum accumulates in fp16, its matmul
+    # wide (ANE_NOTES section 2), so a sum over an axis is a matmul with a constant vector c:
+    # x @ c over the last axis, c^T x over the rows of an (N, C) matrix (axis 0). c = 1 sums;
+    # c = 1/n means inside the wide sum: no mean passes through a sum out of range (768 x 1000).
+    def _dot(self, x, axis, c):
+        n = x.shape[axis]
+        vec = MILTensor(self.mb.const(val=np.full((1, n) if axis == 0 else (n, 1), c, np.float16)))
+        return self.matmul(vec, x) if axis == 0 else self.matmul(x, vec)
+
+    def sum(self, x, axis, keep=True):
+        s = self._dot(x, axis, 1.0)
+        return s if keep else self.reshape(s, [d for i, d in enumerate(x.shape) if i != axis % len(x.shape)])
+
+    def mean(self, x, axis): return self._dot(x, axis, 1.0 / x.shape[axis])
 
     def causal_mask(self, T):  # constants of the program, as TorchOps' masks
         return MILTensor(self.mb.const(val=np.triu(np.full((T, T), -1e4, np.float16), 1)))
