@@ -744,6 +744,7 @@ class MILTensor:
     def __mul__(self, o): return self._bin('mul', o)
     def __rmul__(self, o): return self._bin('mul', o, swap=True)
     def __truediv__(self, o): return self._bin('real_div', o)
+    def __rtruediv__(self, o): return self._bin('real_div', o, swap=True)
 
 
 class MILOps(Derivation):
@@ -769,8 +770,7 @@ class MILOps(Derivation):
     def reshape(self, x, shape): return self._u('reshape', x, shape=list(shape))
     def transpose(self, x, perm): return self._u('transpose', x, perm=list(perm))
 
-    def maximum(self, a, b):
-        return MILTensor(self.mb.maximum(x=a.v, y=b.v))
+    def maximum(self, a, b): return a._bin('maximum', b)
 
     # For the ANE's fp16, the math unchanged: its reduce_sum accumulates in fp16, its matmul
     # wide (ANE_NOTES section 2), so a sum over an axis is a matmul with a constant vector c:
@@ -786,6 +786,19 @@ class MILOps(Derivation):
         return s if keep else self.reshape(s, [d for i, d in enumerate(x.shape) if i != axis % len(x.shape)])
 
     def mean(self, x, axis): return self._dot(x, axis, 1.0 / x.shape[axis])
+
+    def layernorm_forward(self, x, w, b, eps=1e-5):
+        # fp16 squares overflow past 256 (256^2 > 65504), and GPT-2's residual rows grow past
+        # that (ANE_NOTES section 2): each row is divided by s, its largest |xc| (at least
+        # 2^-14, fp16's smallest normal, so a constant row gives 0, not 0/0), before squaring.
+        # With xs = xc/s: var = s^2 mean(xs^2), xhat = xs r, r = rsqrt(mean(xs^2) + eps/s^2),
+        # rstd = r/s. The cache is the derivation's (xhat, rstd): its layernorm_backward serves.
+        xc = x - self.mean(x, -1)
+        s = self.maximum(self.max(self._u('abs', xc), -1), 2.0 ** -14)
+        xs, e = xc / s, math.sqrt(eps) / s
+        r = self.rsqrt(self.mean(xs * xs, -1) + e * e)
+        xhat = xs * r
+        return (xhat * w if b is None else xhat * w + b), (xhat, r / s)
 
     def causal_mask(self, T):  # constants of the program, as TorchOps' masks
         return MILTensor(self.mb.const(val=np.triu(np.full((T, T), -1e4, np.float16), 1)))
