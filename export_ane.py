@@ -273,7 +273,7 @@ def check_gradients(engine, cfg, B, T, seed=0):
     cos = {k: torch.nn.functional.cosine_similarity(grads[k].double().flatten(), p.grad.flatten(), dim=0).item()
            for k, p in model.named_parameters()}
     worst = min(cos, key=cos.get)
-    finite = hg.grads_finite(grads)
+    finite = hg.grads_finite(grads | {'loss': l.reshape(1)})  # an overflow marks the loss (CoreMLEngine)
     print(f"loss {l.item():.5f} vs autograd {loss.item():.5f}; worst gradient cosine {cos[worst]:.6f} ({worst}); "
           f"all finite: {finite}; one call {dt:.2f} s")
     return cos[worst] if finite else float('nan')
@@ -322,7 +322,7 @@ def main(argv=None):
         print_report(program_report(load_coreml_program(a.out), cfg, B, T))
         if a.check:
             engine = hg.CoreMLEngine(a.out, config=cfg, microbatch=(B, T),
-                                     scaler=hg.LossScaler(1024.0, 0))
+                                     scaler=hg.LossScaler(hg.Config.ane_loss_scale, 0))
             print(f"checking through {engine.label}")
             worst = check_gradients(engine, cfg, B, T)
             if hg.ON_MAC:

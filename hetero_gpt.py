@@ -45,6 +45,10 @@ import energy
 
 ON_MAC = sys.platform == 'darwin'
 ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (ANE_NOTES section 2)
+# The ANE's fp16 does not overflow to inf: matmul outputs go wrong near 32752 = 2^15 - 16 and
+# inf does not propagate (ANE_NOTES section 2). So an output within 2x of that, 2^14 or more,
+# is an overflow; the loss scale grows only while its outputs would stay below half of this.
+ANE_OVERFLOW = 2.0 ** 14
 CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per core
 
 # -----------------------------------------------------------------------------
@@ -110,7 +114,9 @@ class Config(GPTConfig):
     ane_dtype: str = opt('float16', "off macOS, precision of the eager stand-in (float16 = the ANE's)")
     ane_fraction: str = opt('auto', "share of microbatches for the ANE: a number in [0,1] or auto (rebalance)")
     ane_package: str = opt('', "Core ML package for the ANE (default: out_dir/ane_B{batch}_T{block}.mlpackage)")
-    loss_scale: float = opt(1024.0, "initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
+    loss_scale: float = opt(1024.0, "GPU engine's initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
+    ane_loss_scale: float = opt(256.0, "ANE engine's initial loss scale (256: what published ANE training used); "
+                                       "dynamic as loss_scale, but grows only while its outputs stay far from fp16's range")
     scale_window: int = opt(200, "finite steps before the fp16 loss scale grows")
     compile: bool = opt(False, "torch.compile the GPU engine's model and the eager engine's derivation")
     fused_kernels: bool = opt(False, "off macOS, the eager stand-in's pieces by PyTorch's fused kernels "
@@ -904,9 +910,13 @@ class CoreMLEngine:
         idx, targets = idx.cpu(), targets.cpu()
         for k, v in host_batch(self.wte, self.wpe, self.cfg, idx, targets, self.scaler.scale).items():
             np.copyto(self.inputs[k], v.numpy())
-        out = self.predict(self.inputs)
-        g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in out.items() if k.startswith('d_')}
-        loss = torch.tensor(float(np.asarray(out['loss']).reshape(-1)[0]))
+        out = {k: np.asarray(v, np.float32) for k, v in self.predict(self.inputs).items()}
+        peak = float(np.max([np.abs(v).max() for v in out.values()]))  # of the loss and scaled grads; nan: nan
+        self.scaler.peak = max(self.scaler.peak, peak)
+        g = {k[2:]: torch.from_numpy(v) for k, v in out.items() if k.startswith('d_')}
+        # an overflow (by magnitude: ANE_OVERFLOW) makes the loss inf, so the step drops this
+        # engine's gradients and lowers its loss scale as for any non-finite result
+        loss = torch.tensor(float(out['loss'].reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf)
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
 
     def running(self):
@@ -1003,21 +1013,24 @@ class EagerEngine:
 class LossScaler:
     """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale`, so
     small gradients do not flush to zero in fp16; the host divides it back out. After
-    `window` finite steps in a row the scale doubles; a non-finite step halves it."""
+    `window` finite steps in a row the scale doubles, unless twice the largest scaled value
+    its engine saw in that window (`peak`: CoreMLEngine's) passes `limit`; a non-finite step
+    halves it."""
 
-    def __init__(self, scale, window, enabled=True):
+    def __init__(self, scale, window, enabled=True, limit=math.inf):
         self.scale = float(scale) if enabled else 1.0
-        self.window, self.enabled, self.good = window, enabled, 0
+        self.window, self.enabled, self.good, self.limit, self.peak = window, enabled, 0, limit, 0.0
 
     def update(self, finite):
         if not self.enabled:
             return
         if not finite:
-            self.scale, self.good = max(self.scale / 2, 1.0), 0
+            self.scale, self.good, self.peak = max(self.scale / 2, 1.0), 0, 0.0
         else:
             self.good += 1
             if self.good >= self.window:
-                self.scale, self.good = min(self.scale * 2, 2.0 ** 24), 0
+                grow = 2 * self.peak < self.limit
+                self.scale, self.good, self.peak = min(self.scale * (2 if grow else 1), 2.0 ** 24), 0, 0.0
 
 
 # -----------------------------------------------------------------------------
@@ -1340,7 +1353,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile,
                                         scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
     if mode in ('ane', 'hetero'):
-        scaler = LossScaler(cfg.loss_scale, cfg.scale_window)
+        scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, limit=ANE_OVERFLOW / 2)
         if ON_MAC:
             import export_ane
             engines['ane'] = CoreMLEngine(export_ane.ensure_package(cfg, log), model.config, scaler=scaler)
