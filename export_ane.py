@@ -221,7 +221,7 @@ def numpy_predict(prog, ane=False):
 
         def val(v):
             return env[v.name] if v.name in env else v.val
-        with Function({}, opset_version=f.opset_version), np.errstate(over='ignore' if ane else 'warn'):
+        with Function({}, opset_version=f.opset_version), np.errstate(over='ignore' if ane else np.geterr()['over']):
             for op in f.operations:
                 if op.op_type == 'const':
                     env[op.outputs[0].name] = op.outputs[0].val

@@ -154,6 +154,9 @@ def test_injected_overflow_is_caught_and_never_applied(tmp_path):
     out = step(microbatches)
     assert all(np.isfinite(v).all() for v in seen[0].values())
     assert max(np.abs(v).max() for v in seen[0].values()) >= hg.ANE_OVERFLOW
+    with np.errstate(all='ignore'):
+        ieee = export_ane.numpy_predict(export_ane.load_coreml_program(path))(engines['ane'].inputs)
+    assert not all(np.isfinite(v).all() for v in ieee.values())  # what an IEEE fp16 engine would show
     assert out['used'] == ['gpu'] and step.dropped['ane'] == 1 and engines['ane'].scaler.scale == 128.0
     for (k, p), q in zip(model.named_parameters(), alone.parameters()):
         assert torch.equal(p.grad, q.grad), k
