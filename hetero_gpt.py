@@ -797,8 +797,9 @@ class MILOps(Derivation):
         # fp16 squares overflow past 256 (256^2 > 65504), and GPT-2's residual rows grow past
         # that (ANE_NOTES section 2): each row is divided by s, its largest |xc| (at least
         # 2^-14, fp16's smallest normal, so a constant row gives 0, not 0/0), before squaring.
-        # With xs = xc/s: var = s^2 mean(xs^2), xhat = xs r, r = rsqrt(mean(xs^2) + eps/s^2),
-        # rstd = r/s. The cache is the derivation's (xhat, rstd): its layernorm_backward serves.
+        # With xs = xc/s: var = s^2 mean(xs^2), so xhat = xs r, r = rsqrt(mean(xs^2) + e^2) with
+        # e = sqrt(eps)/s (eps/s^2 as a square: 1/s^2 would overflow for small s), rstd = r/s.
+        # The cache is the derivation's (xhat, rstd): its layernorm_backward serves unchanged.
         xc = x - self.mean(x, -1)
         s = self.maximum(self.max(self._u('abs', xc), -1), 2.0 ** -14)
         xs, e = xc / s, math.sqrt(eps) / s
@@ -911,7 +912,7 @@ class CoreMLEngine:
         for k, v in host_batch(self.wte, self.wpe, self.cfg, idx, targets, self.scaler.scale).items():
             np.copyto(self.inputs[k], v.numpy())
         out = {k: np.asarray(v, np.float32) for k, v in self.predict(self.inputs).items()}
-        peak = float(np.max([np.abs(v).max() for v in out.values()]))  # of the loss and scaled grads; nan: nan
+        peak = float(np.max([np.abs(v).max() for v in out.values()]))  # largest |output|; nan if any is nan
         self.scaler.peak = max(self.scaler.peak, peak)
         g = {k[2:]: torch.from_numpy(v) for k, v in out.items() if k.startswith('d_')}
         # an overflow (by magnitude: ANE_OVERFLOW) makes the loss inf, so the step drops this
@@ -1029,8 +1030,9 @@ class LossScaler:
         else:
             self.good += 1
             if self.good >= self.window:
-                grow = 2 * self.peak < self.limit
-                self.scale, self.good, self.peak = min(self.scale * (2 if grow else 1), 2.0 ** 24), 0, 0.0
+                if 2 * self.peak < self.limit:  # doubled, the window's largest value stays under limit
+                    self.scale = min(self.scale * 2, 2.0 ** 24)
+                self.good, self.peak = 0, 0.0
 
 
 # -----------------------------------------------------------------------------
