@@ -61,19 +61,26 @@ def analytic_flops(cfg, B, T):
     return 6 * N * matrices + attention, 6 * N * params + attention
 
 
+def is_sum(op):
+    """A sum or mean as a matmul with a constant vector (MILOps._dot): the derivation's own
+    matmuls multiply two runtime tensors (weights are inputs), these one and a constant."""
+    return op.op_type == 'matmul' and any(op.inputs[k].val is not None for k in ('x', 'y'))
+
+
 def program_report(prog, cfg, B, T):
     """What is in the program, computed from the program itself (the saved one, read back)."""
     f = prog.functions['main']
     ops = [op for op in f.operations if op.op_type != 'const']
     kinds = collections.Counter(op.op_type for op in ops)
     flops = sum(op_flops(op) for op in ops)
-    mm = sum(op_flops(op) for op in ops if op.op_type == 'matmul')
+    mm = sum(op_flops(op) for op in ops if op.op_type == 'matmul' and not is_sum(op))
+    sums = sum(op_flops(op) for op in ops if is_sum(op))
     dims = [d for op in f.operations for v in op.outputs if hasattr(v, 'shape') for d in v.shape]
     dims += [d for v in f.inputs.values() for d in v.shape]
     ranks = [len(v.shape) for op in f.operations for v in op.outputs if hasattr(v, 'shape')]
     nbytes = lambda vs: sum(int(np.prod(v.shape)) * 2 for v in vs)  # fp16: 2 bytes an element
     exact, estimate = analytic_flops(cfg, B, T)
-    return dict(ops=len(ops), op_types=dict(kinds.most_common()), flops=flops, matmul_flops=mm,
+    return dict(ops=len(ops), op_types=dict(kinds.most_common()), flops=flops, matmul_flops=mm, sum_flops=sums,
                 analytic_matmul_flops=exact, estimate_flops=estimate,
                 bytes_in=nbytes(f.inputs.values()), bytes_out=nbytes(f.outputs),
                 largest_dim=max(dims), max_rank=max(ranks),
@@ -163,10 +170,24 @@ def load_coreml_program(path):
                          file_weights_dir=model.weights_dir or '')
 
 
-def numpy_predict(prog):
+FP16_MAX = 65504.0
+# matmul outputs go wrong at ~32752 = 2^15 - 16, the largest fp16 below 2^15, at any K
+# (ANEForge docs/numeric-cliffs.md, on M2 Pro and M5: they become inf, which later ops do not
+# reliably propagate, docs/faq.md): ane=True saturates them there, finite
+ANE_MATMUL_MAX = 32752.0
+
+
+def numpy_predict(prog, ane=False):
     """A stand-in for Core ML's predict off macOS: evaluates the program op by op in NumPy,
     each op's result rounded to the dtype the program declares (fp16 here), through the
-    ops' own value_inference. Slow; for checking the program, not for training."""
+    ops' own value_inference. Slow; for checking the program, not for training.
+    matmul: fp16 operands, fp32 accumulation (as the ANE; its products are rounded to fp16
+    first, which this does not imitate), one rounding of the result.
+    ane=True imitates what is known of the ANE's fp16 (ANE_NOTES section 2), the rest as
+    above: reduce_sum and reduce_mean add the terms one after another along the axis in fp16
+    (every partial sum rounded: the worst case of a narrow accumulator; the mean divides that
+    sum by n), and no result overflows to inf: matmul outputs saturate at +-ANE_MATMUL_MAX,
+    every other op's at +-65504."""
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import Function, types
     f = prog.functions['main']
@@ -178,7 +199,17 @@ def numpy_predict(prog):
         x, y = kw['x'].astype(np.float32), kw['y'].astype(np.float32)
         x = np.swapaxes(x, -1, -2) if kw.get('transpose_x') else x
         y = np.swapaxes(y, -1, -2) if kw.get('transpose_y') else y
-        return (x @ y,)
+        return (np.clip(x @ y, -ANE_MATMUL_MAX, ANE_MATMUL_MAX) if ane else x @ y,)
+
+    def fp16_sum(kw, mean):  # ane=True: term by term along the axis, each partial sum fp16
+        if len(kw['axes']) != 1:
+            raise NotImplementedError("ane=True sums over one axis at a time")
+        x = np.ascontiguousarray(np.moveaxis(kw['x'].astype(np.float16), kw['axes'][0], 0))
+        acc = np.zeros(x.shape[1:], np.float16)
+        for term in x:
+            acc = np.clip(acc + term, -FP16_MAX, FP16_MAX)  # saturating
+        acc = acc / np.float16(len(x)) if mean else acc
+        return (np.expand_dims(acc, kw['axes'][0]) if kw.get('keep_dims') else acc,)
 
     def predict(inputs):
         env = {}
@@ -190,7 +221,7 @@ def numpy_predict(prog):
 
         def val(v):
             return env[v.name] if v.name in env else v.val
-        with Function({}, opset_version=f.opset_version):
+        with Function({}, opset_version=f.opset_version), np.errstate(over='ignore' if ane else np.geterr()['over']):
             for op in f.operations:
                 if op.op_type == 'const':
                     env[op.outputs[0].name] = op.outputs[0].val
@@ -199,20 +230,26 @@ def numpy_predict(prog):
                       for k, v in op.inputs.items()}
                 if op.op_type == 'matmul':
                     res = matmul(kw)
+                elif ane and op.op_type in ('reduce_sum', 'reduce_mean'):
+                    res = fp16_sum(kw, op.op_type == 'reduce_mean')
                 else:
                     new = mb._add_op(type(op), name=op.name, **kw)  # runs the op's value_inference
                     res = tuple(o.val for o in (new if isinstance(new, (list, tuple)) else [new]))
                     if any(r is None for r in res):
                         raise NotImplementedError(f"no NumPy evaluation for MIL op {op.op_type}")
                 for o, r in zip(op.outputs, res):
-                    env[o.name] = np.asarray(r).astype(types.nptype_from_builtin(o.dtype))
+                    env[o.name] = r = np.asarray(r).astype(types.nptype_from_builtin(o.dtype))
+                    if ane and r.dtype == np.float16:  # saturate: +-inf -> +-65504 (np.clip is 10x slower)
+                        inf = np.isinf(r)
+                        r[inf] = np.copysign(FP16_MAX, r[inf])
         return {o.name: env[o.name] for o in f.outputs}
     return predict
 
 
 def print_report(r):
     print(f"ops: {r['ops']}  " + ', '.join(f'{k} {v}' for k, v in r['op_types'].items()))
-    print(f"FLOPs per call: {r['flops'] / 1e9:.3f} G total, {r['matmul_flops'] / 1e9:.3f} G in matmuls")
+    print(f"FLOPs per call: {r['flops'] / 1e9:.3f} G total, {r['matmul_flops'] / 1e9:.3f} G in the derivation's "
+          f"matmuls, {r['sum_flops'] / 1e9:.3f} G in sums and means as matmuls (a constant vector)")
     print(f"  analytic matmul count {r['analytic_matmul_flops'] / 1e9:.3f} G "
           f"({100 * (r['matmul_flops'] / r['analytic_matmul_flops'] - 1):+.2f}%); 6*params*tokens + attention "
           f"{r['estimate_flops'] / 1e9:.3f} G (total {100 * (r['flops'] / r['estimate_flops'] - 1):+.2f}%)")
@@ -236,7 +273,7 @@ def check_gradients(engine, cfg, B, T, seed=0):
     cos = {k: torch.nn.functional.cosine_similarity(grads[k].double().flatten(), p.grad.flatten(), dim=0).item()
            for k, p in model.named_parameters()}
     worst = min(cos, key=cos.get)
-    finite = hg.grads_finite(grads)
+    finite = hg.grads_finite(grads | {'loss': l.reshape(1)})  # an overflow marks the loss (CoreMLEngine)
     print(f"loss {l.item():.5f} vs autograd {loss.item():.5f}; worst gradient cosine {cos[worst]:.6f} ({worst}); "
           f"all finite: {finite}; one call {dt:.2f} s")
     return cos[worst] if finite else float('nan')
@@ -285,7 +322,7 @@ def main(argv=None):
         print_report(program_report(load_coreml_program(a.out), cfg, B, T))
         if a.check:
             engine = hg.CoreMLEngine(a.out, config=cfg, microbatch=(B, T),
-                                     scaler=hg.LossScaler(1024.0, 0))
+                                     scaler=hg.LossScaler(hg.Config.ane_loss_scale, 0))
             print(f"checking through {engine.label}")
             worst = check_gradients(engine, cfg, B, T)
             if hg.ON_MAC:

@@ -48,6 +48,10 @@ import run_files
 
 ON_MAC = sys.platform == 'darwin'
 ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (ANE_NOTES section 2)
+# The ANE's fp16 does not overflow to inf: matmul outputs go wrong near 32752 = 2^15 - 16 and
+# inf does not propagate (ANE_NOTES section 2). So an output within 2x of that, 2^14 or more,
+# is an overflow; the loss scale grows only while its outputs would stay below half of this.
+ANE_OVERFLOW = 2.0 ** 14
 CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per core
 
 # -----------------------------------------------------------------------------
@@ -113,7 +117,9 @@ class Config(GPTConfig):
     ane_dtype: str = opt('float16', "off macOS, precision of the eager stand-in (float16 = the ANE's)")
     ane_fraction: str = opt('auto', "share of microbatches for the ANE: a number in [0,1] or auto (rebalance)")
     ane_package: str = opt('', "Core ML package for the ANE (default: out_dir/ane_B{batch}_T{block}.mlpackage)")
-    loss_scale: float = opt(1024.0, "initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
+    loss_scale: float = opt(1024.0, "GPU engine's initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
+    ane_loss_scale: float = opt(256.0, "ANE engine's initial loss scale (256: what published ANE training used); "
+                                       "dynamic as loss_scale, but grows only while its outputs stay far from fp16's range")
     scale_window: int = opt(200, "finite steps before the fp16 loss scale grows")
     compile: bool = opt(False, "torch.compile the GPU engine's model and the eager engine's derivation")
     fused_kernels: bool = opt(False, "off macOS, the eager stand-in's pieces by PyTorch's fused kernels "
@@ -747,6 +753,7 @@ class MILTensor:
     def __mul__(self, o): return self._bin('mul', o)
     def __rmul__(self, o): return self._bin('mul', o, swap=True)
     def __truediv__(self, o): return self._bin('real_div', o)
+    def __rtruediv__(self, o): return self._bin('real_div', o, swap=True)
 
 
 class MILOps(Derivation):
@@ -767,15 +774,41 @@ class MILOps(Derivation):
     def log(self, x): return self._u('log', x)
     def tanh(self, x): return self._u('tanh', x)
     def rsqrt(self, x): return self._u('rsqrt', x)
-    def sum(self, x, axis, keep=True): return self._u('reduce_sum', x, axes=[axis], keep_dims=keep)
-    def mean(self, x, axis): return self._u('reduce_mean', x, axes=[axis], keep_dims=True)
     def max(self, x, axis): return self._u('reduce_max', x, axes=[axis], keep_dims=True)
     def softmax(self, x, axis): return self._u('softmax', x, axis=axis)
     def reshape(self, x, shape): return self._u('reshape', x, shape=list(shape))
     def transpose(self, x, perm): return self._u('transpose', x, perm=list(perm))
 
-    def maximum(self, a, b):
-        return MILTensor(self.mb.maximum(x=a.v, y=b.v))
+    def maximum(self, a, b): return a._bin('maximum', b)
+
+    # For the ANE's fp16, the math unchanged: its reduce_sum accumulates in fp16, its matmul
+    # wide (ANE_NOTES section 2), so a sum over an axis is a matmul with a constant vector c:
+    # x @ c over the last axis, c^T x over the rows of an (N, C) matrix (axis 0). c = 1 sums;
+    # c = 1/n means inside the wide sum: no mean passes through a sum out of range (768 x 1000).
+    def _dot(self, x, axis, c):
+        n = x.shape[axis]
+        vec = MILTensor(self.mb.const(val=np.full((1, n) if axis == 0 else (n, 1), c, np.float16)))
+        return self.matmul(vec, x) if axis == 0 else self.matmul(x, vec)
+
+    def sum(self, x, axis, keep=True):
+        s = self._dot(x, axis, 1.0)
+        return s if keep else self.reshape(s, [d for i, d in enumerate(x.shape) if i != axis % len(x.shape)])
+
+    def mean(self, x, axis): return self._dot(x, axis, 1.0 / x.shape[axis])
+
+    def layernorm_forward(self, x, w, b, eps=1e-5):
+        # fp16 squares overflow past 256 (256^2 > 65504), and GPT-2's residual rows grow past
+        # that (ANE_NOTES section 2): each row is divided by s, its largest |xc| (at least
+        # 2^-14, fp16's smallest normal, so a constant row gives 0, not 0/0), before squaring.
+        # With xs = xc/s: var = s^2 mean(xs^2), so xhat = xs r, r = rsqrt(mean(xs^2) + e^2) with
+        # e = sqrt(eps)/s (eps/s^2 as a square: 1/s^2 would overflow for small s), rstd = r/s.
+        # The cache is the derivation's (xhat, rstd): its layernorm_backward serves unchanged.
+        xc = x - self.mean(x, -1)
+        s = self.maximum(self.max(self._u('abs', xc), -1), 2.0 ** -14)
+        xs, e = xc / s, math.sqrt(eps) / s
+        r = self.rsqrt(self.mean(xs * xs, -1) + e * e)
+        xhat = xs * r
+        return (xhat * w if b is None else xhat * w + b), (xhat, r / s)
 
     def causal_mask(self, T):  # constants of the program, as TorchOps' masks
         return MILTensor(self.mb.const(val=np.triu(np.full((T, T), -1e4, np.float16), 1)))
@@ -881,9 +914,13 @@ class CoreMLEngine:
         idx, targets = idx.cpu(), targets.cpu()
         for k, v in host_batch(self.wte, self.wpe, self.cfg, idx, targets, self.scaler.scale).items():
             np.copyto(self.inputs[k], v.numpy())
-        out = self.predict(self.inputs)
-        g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in out.items() if k.startswith('d_')}
-        loss = torch.tensor(float(np.asarray(out['loss']).reshape(-1)[0]))
+        out = {k: np.asarray(v, np.float32) for k, v in self.predict(self.inputs).items()}
+        peak = float(np.max([np.abs(v).max() for v in out.values()]))  # largest |output|; nan if any is nan
+        self.scaler.peak = max(self.scaler.peak, peak)
+        g = {k[2:]: torch.from_numpy(v) for k, v in out.items() if k.startswith('d_')}
+        # an overflow (by magnitude: ANE_OVERFLOW) makes the loss inf, so the step drops this
+        # engine's gradients and lowers its loss scale as for any non-finite result
+        loss = torch.tensor(float(out['loss'].reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf)
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
 
     def running(self):
@@ -980,21 +1017,25 @@ class EagerEngine:
 class LossScaler:
     """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale`, so
     small gradients do not flush to zero in fp16; the host divides it back out. After
-    `window` finite steps in a row the scale doubles; a non-finite step halves it."""
+    `window` finite steps in a row the scale doubles, unless twice the largest scaled value
+    its engine saw in that window (`peak`: CoreMLEngine's) passes `limit`; a non-finite step
+    halves it."""
 
-    def __init__(self, scale, window, enabled=True):
+    def __init__(self, scale, window, enabled=True, limit=math.inf):
         self.scale = float(scale) if enabled else 1.0
-        self.window, self.enabled, self.good = window, enabled, 0
+        self.window, self.enabled, self.good, self.limit, self.peak = window, enabled, 0, limit, 0.0
 
     def update(self, finite):
         if not self.enabled:
             return
         if not finite:
-            self.scale, self.good = max(self.scale / 2, 1.0), 0
+            self.scale, self.good, self.peak = max(self.scale / 2, 1.0), 0, 0.0
         else:
             self.good += 1
             if self.good >= self.window:
-                self.scale, self.good = min(self.scale * 2, 2.0 ** 24), 0
+                if 2 * self.peak < self.limit:  # doubled, the window's largest value stays under limit
+                    self.scale = min(self.scale * 2, 2.0 ** 24)
+                self.good, self.peak = 0, 0.0
 
 
 # -----------------------------------------------------------------------------
@@ -1315,7 +1356,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile,
                                         scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
     if mode in ('ane', 'hetero'):
-        scaler = LossScaler(cfg.loss_scale, cfg.scale_window)
+        scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, limit=ANE_OVERFLOW / 2)
         if ON_MAC:
             import export_ane
             engines['ane'] = CoreMLEngine(export_ane.ensure_package(cfg, log), model.config, scaler=scaler)

@@ -49,8 +49,10 @@ def test_program_is_ane_shaped(package):
     assert not set(r['op_types']) & {'gather', 'gather_nd', 'one_hot', 'scatter', 'scatter_nd', 'concat', 'gelu'}
     assert r['off_ane'] == []
     assert r['largest_dim'] <= hg.ANE_MAX_DIM and r['max_rank'] <= 5
-    # every matmul of the derivation and nothing else: the exact analytic count
+    # every matmul of the derivation and nothing else: the exact analytic count; the sums and
+    # means are matmuls with a constant vector too (the ANE's reduce_sum is fp16), counted apart
     assert r['matmul_flops'] == r['analytic_matmul_flops']
+    assert not {'reduce_sum', 'reduce_mean'} & set(r['op_types']) and 0 < r['sum_flops'] < 0.05 * r['matmul_flops']
     # fp16 in and out: 2 bytes per element of every input and output
     shapes = hg.dense_input_shapes(CFG, B, T)
     n_in = sum(int(np.prod(s)) for s in shapes.values())
