@@ -42,9 +42,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import settings  # first: the files beside this one take UserError from it
 import distributed
 import energy
 import run_files
+from settings import UserError, add_flags, parse_args, parse_bool, resolve_device, resolve_dtype  # noqa: F401
 
 ON_MAC = sys.platform == 'darwin'
 ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (ANE_NOTES section 2)
@@ -62,10 +64,6 @@ CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per cor
 
 def opt(default, help):
     return field(default=default, metadata={'help': help})
-
-
-class UserError(Exception):
-    """Something the user can fix: printed as one line, no traceback."""
 
 
 @dataclass
@@ -147,45 +145,6 @@ class Config(GPTConfig):
 CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8,
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
-# What each numeric setting allows: setup() checks them all, before anything is written.
-LIMITS = (('> 0', lambda v: 0 < v < math.inf, 'batch_size gradient_accumulation_steps eval_interval log_interval '
-                                              'scale_window loss_scale'),
-          ('>= 0', lambda v: 0 <= v < math.inf, 'max_iters warmup_iters eval_iters sample_tokens seed max_bad_steps '
-                                                'learning_rate min_lr weight_decay grad_clip eval_seconds'),
-          ('in [0, 1)', lambda v: 0 <= v < 1, 'beta1 beta2'))
-
-
-def add_flags(parser, cls, skip=()):
-    """One --flag per field of the dataclass cls, typed and documented by the field."""
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        if f.type in (bool, 'bool'):
-            parser.add_argument(f'--{f.name}', type=parse_bool, nargs='?', const=True,
-                                default=f.default, help=f.metadata['help'])
-        else:
-            typ = {'int': int, 'float': float, 'str': str}.get(f.type, f.type)
-            parser.add_argument(f'--{f.name}', type=typ, default=f.default, help=f.metadata['help'])
-
-
-def parse_args(argv=None, cls=Config, description="HeteroEngine: GPT-2 on GPU and ANE at once. The defaults "
-               "shown are GPT-2 124M's; on a machine without a GPU (device cpu) flags not given take these "
-               "instead: " + ', '.join(f'{k}={v}' for k, v in CPU_DEFAULTS.items()) + "."):
-    """(cls(...), the names of the flags the user gave)."""
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_flags(parser, cls)
-    args = parser.parse_args(argv)
-    given = {a.split('=')[0][2:] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith('--')}
-    return cls(**vars(args)), given
-
-
-def parse_bool(s):
-    if s.lower() in ('1', 'true', 'yes'):
-        return True
-    if s.lower() in ('0', 'false', 'no'):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
 # -----------------------------------------------------------------------------
@@ -1244,34 +1203,6 @@ class HeteroStep:
 # 7. The training loop.
 
 
-def resolve_device(name, flag='--device'):
-    if name == 'auto':
-        if torch.backends.mps.is_available():
-            return torch.device('mps')
-        return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-    try:
-        dev = torch.device(name)
-        if dev.type not in ('cpu', 'cuda', 'mps'):
-            raise RuntimeError
-    except RuntimeError:
-        raise UserError(f"{flag} {name!r}: unknown device; use auto, cpu, cuda, cuda:N or mps") from None
-    if dev.type == 'cuda' and (dev.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"{flag} {name}: PyTorch sees {torch.cuda.device_count()} CUDA GPU(s) here")
-    if dev.type == 'mps' and not torch.backends.mps.is_available():
-        raise UserError(f"{flag} {name}: MPS is not available here")
-    return dev
-
-
-def resolve_dtype(name, device, flag='--dtype'):
-    if name == 'auto':
-        return torch.bfloat16 if device.type == 'cuda' else torch.float32
-    dtypes = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16,
-              'float64': torch.float64}
-    if name not in dtypes:
-        raise UserError(f"{flag} {name!r}: unknown dtype; use auto or one of {', '.join(dtypes)}")
-    return dtypes[name]
-
-
 def load_data(cfg):
     """train/val token arrays (uint16 memmaps), checked; a known data set is prepared first."""
     import prepare_data
@@ -1385,42 +1316,8 @@ def build_run(cfg, device, dtype, mode, log=print):
 
 
 def setup(cfg, given, log=print):
-    """Checks the configuration and resolves what 'auto' means on this machine."""
-    device = resolve_device(cfg.device)
-    if device.type == 'cpu':
-        changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given}
-        for k, v in changed.items():
-            setattr(cfg, k, v)
-        if changed:
-            log("no GPU: small model and short run for the CPU (any flag overrides): "
-                + ' '.join(f'{k}={v}' for k, v in changed.items()))
-    if cfg.mode == 'auto':
-        cfg.mode = 'hetero' if ON_MAC else 'gpu'
-    if cfg.mode not in ('gpu', 'ane', 'hetero'):
-        raise UserError(f"unknown --mode {cfg.mode!r}: use gpu, ane or hetero")
-    if cfg.ane_fraction != 'auto':
-        try:
-            ok = 0.0 <= float(cfg.ane_fraction) <= 1.0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise UserError(f"--ane_fraction must be auto or a number in [0, 1], got {cfg.ane_fraction!r}")
-    for allowed, ok, names in LIMITS:
-        for k in names.split():
-            if not ok(getattr(cfg, k)):
-                raise UserError(f"--{k} {getattr(cfg, k)}: must be a finite number {allowed}")
-    model_config(cfg)  # raises if a size is < 1 or n_embd % n_head
-    dtype, ane_dtype = resolve_dtype(cfg.dtype, device), resolve_dtype(cfg.ane_dtype, device, '--ane_dtype')
-    if cfg.ane_device != 'auto' and not ON_MAC:
-        resolve_device(cfg.ane_device, '--ane_device')
-    # the settings given that this run does not use, said once: a flag is never a silent no-op
-    fp16 = dtype == torch.float16 and cfg.mode != 'ane' or cfg.mode != 'gpu' and (ON_MAC or ane_dtype == torch.float16)
-    moot = dict(ane_package=not ON_MAC or cfg.mode == 'gpu', ane_fraction=cfg.mode != 'hetero', loss_scale=not fp16,
-                scale_window=not fp16, compile=ON_MAC and cfg.mode == 'ane')
-    moot |= dict.fromkeys(('ane_device', 'ane_dtype', 'fused_kernels'), ON_MAC or cfg.mode == 'gpu')
-    if unused := [f'--{k}' for k in moot if moot[k] and k in given]:
-        log(f"not used by this run (mode {cfg.mode}{', macOS' if ON_MAC else ''}{'' if fp16 else ', no fp16 engine'}): "
-            + ', '.join(unused))
+    """Checks the configuration (settings.check) and resolves what 'auto' means here."""
+    device, dtype = settings.check(cfg, given, log)
     if device.type == 'cuda':  # as nanoGPT: fp32 matmuls on tensor cores (TF32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return device, dtype
