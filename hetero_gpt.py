@@ -14,15 +14,12 @@ programs but has no autograd. So this file:
 
 Off a Mac the "ANE" engine is the same derivation run eagerly by PyTorch in fp16: the
 ANE's arithmetic without the ANE. Everything macOS-only sits behind `coreml_predict_fn`.
-What only makes that stand-in faster (fused kernels, CUDA graphs, streams) lives in
-standin.py; without that file every mode still trains.
 
 Sections, in the order data flows: 1 config, 2 model, 3 the hand-derived forward and
 backward and its PyTorch backend, 4 the Core ML program and its engine, 5 the PyTorch
-engines, 6 the concurrent step, 7 the training loop. Beside it: export_ane.py saves,
-reads back, evaluates (NumPy) and reports the Core ML program; energy.py the meters;
-bench.py the side-by-side table of the modes; run_files.py the checkpoints and metrics
-a run keeps; distributed.py the torchrun plumbing.
+engines, 6 the concurrent step, 7 the training loop. Beside it, the plumbing: standin.py
+(the off-Mac stand-in's speed; every mode trains without it), export_ane.py (packages,
+NumPy evaluator, report), settings.py, run_files.py, distributed.py, energy.py, bench.py.
 """
 import argparse
 import contextlib
@@ -41,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import settings  # first: the files beside this one take UserError from it
 import distributed
@@ -203,12 +201,10 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
-        # Tensor cores want aligned rows: with GPT-2's odd 50257, all three LM-head matmuls
-        # (forward, d x, d W) take a slow path (bf16 on an H200: 62 vs 42 ms a step). So the
-        # matmul runs on the weight padded with `pad` zero rows to a multiple of 64, and a
-        # constant bias of 0, ..., 0, -inf, ..., -inf (added in the matmul's epilogue; no
-        # gradient) makes the padded logits -inf: they drop out of the softmax and get no
-        # gradient, so loss and gradients are GPT-2's, at the aligned speed.
+        # Tensor cores want aligned rows: with GPT-2's odd 50257 the three LM-head matmuls take
+        # a slow path (bf16, H200: 62 vs 42 ms a step). So the matmul runs on the weight padded
+        # with `pad` zero rows to a multiple of 64, and a constant bias of -inf on those rows
+        # drops them from the softmax and the gradients: GPT-2's loss, at the aligned speed.
         V, self.pad = config.vocab_size, -config.vocab_size % 64
         self.register_buffer('pad_logits', torch.cat([torch.zeros(V), torch.full((self.pad,), -math.inf)])
                              if self.pad else None, persistent=False)  # not in the state dict
@@ -265,26 +261,21 @@ def GPT_param_shapes(cfg):
 # -----------------------------------------------------------------------------
 # 3. The hand-derived training step.
 #
-# Written ONCE, as the methods of Derivation, over a small vocabulary of primitive ops
-# that each backend provides:
-#   a @ b (self.matmul, optional transposes), + - * / with tensors or Python floats,
-#   exp log tanh rsqrt, sum mean max over one axis (kept), maximum, softmax, reshape,
-#   transpose, causal_mask, pad_mask; and fused(method), which may hand back a compiled
-#   version of a piece.
+# Written ONCE, as the methods of Derivation, over primitive ops each backend provides:
+# self.matmul (optional transposes), + - * / with tensors or floats, exp log tanh rsqrt,
+# sum mean max over one axis, maximum, softmax, reshape, transpose, causal_mask, pad_mask.
 # TorchOps (below) runs them eagerly; MILOps (section 4) records them as a Core ML program.
-# Each layer is a forward/backward pair of methods: the forward returns (output, cache),
-# the backward takes that cache and nothing else of the forward's, so a faster backend
-# (standin.py) overrides a whole pair and its cache with it. Every op recorded here exists
-# in MIL and runs on the ANE: no gather, scatter, one_hot, concat or split. The sparse work
-# (embedding lookup, picking each target's row, scatter-adding their gradients) is done by
-# the host around the dense step (host_weights, host_batch, host_grads).
+# Each layer is a forward/backward pair: the forward returns (output, cache), the backward
+# takes that cache, so a faster backend (standin.py) overrides a whole pair, cache and all.
+# Every op recorded here runs on the ANE: no gather, scatter, one_hot, concat or split; the
+# host does the sparse work around the dense step (host_weights, host_batch, host_grads).
 #
 # Shapes: B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H.
 # Activations are (N, C) row matrices; attention works per head on (B, H, T, D).
-# Layout: Apple's ANE guide prefers (B, C, 1, S) with 1x1 convolutions for linear layers.
-# We keep matmul on row matrices because the weights are program *inputs* (one compiled
-# program serves every step) and matmul takes two runtime operands on the ANE (ANE_NOTES
-# section 3), where conv with a runtime weight compiles only at batch 1.
+# Apple's ANE guide prefers (B, C, 1, S) and 1x1 convolutions; we keep matmul on rows, as
+# the weights are program *inputs* (one program for every step) and matmul takes two
+# runtime operands on the ANE, where conv with a runtime weight compiles only at batch 1
+# (ANE_NOTES section 3).
 
 GELU_K = math.sqrt(2.0 / math.pi)
 
@@ -503,18 +494,16 @@ _COMPILED = {}  # (backend class, piece name) -> its torch.compile'd function (T
 
 class TorchOps(Derivation):
     """PyTorch backend of the derivation: eager, no autograd, any device and dtype."""
-    # Eager PyTorch keeps every cached tensor alive until the backward: the (B, H, T, T)
-    # attention probabilities would be the largest of them (16 bytes per token per head
-    # per context position in fp32), so this backend recomputes them in the backward.
+    # Eager PyTorch keeps every cached tensor until the backward: the (B, H, T, T) attention
+    # probabilities would be the largest (fp32: 16 bytes per token, head and position).
     recompute_attention = True
 
     def __init__(self, dtype, device, compile=False):
         self.dtype, self.device, self.compile = dtype, torch.device(device), compile
 
     def fused(self, method):
-        # Eager, every op is one kernel that reads and writes memory: a layernorm makes ~10
-        # passes where a fused kernel makes 2. With compile, torch.compile turns a whole piece
-        # (a block's forward, its backward, the LM head) into fused kernels: the same calls.
+        # Eager, a layernorm makes ~10 passes over memory where a fused kernel makes 2: with
+        # compile, torch.compile fuses a whole piece (a block's forward, its backward, ...).
         if not self.compile:
             return method
         key = (type(self), method.__name__)
@@ -622,25 +611,6 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
     return grads
 
 
-def config_from_params(params, n_head):
-    """GPTConfig from the weights' shapes and n_head (which no shape holds); a clear error
-    if the weights are not a GPT-2's."""
-    try:
-        V, C = params['transformer.wte.weight'].shape
-        block_size = params['transformer.wpe.weight'].shape[0]
-    except KeyError as e:
-        raise ValueError(f"params lacks {e}: expected the keys of GPT.named_parameters()") from None
-    n_layer = len({k.split('.')[2] for k in params if k.startswith('transformer.h.')})
-    cfg = GPTConfig(block_size=block_size, vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=C,
-                    bias='transformer.ln_f.bias' in params)
-    expected = {k: tuple(v.shape) for k, v in GPT_param_shapes(cfg).items()}
-    got = {k: tuple(v.shape) for k, v in params.items()}
-    if expected != got:
-        bad = sorted(set(expected) ^ set(got)) or [k for k in expected if expected[k] != got[k]]
-        raise ValueError(f"params do not match a GPT-2 of {cfg}: check {bad[:4]}")
-    return cfg
-
-
 def check_batch(cfg, idx, targets):
     if idx.dim() != 2 or idx.shape != targets.shape:
         raise ValueError(f"idx and targets must both be (B, T); got {tuple(idx.shape)} and {tuple(targets.shape)}")
@@ -661,17 +631,6 @@ def eager_loss_and_grads(o, cfg, w, idx, targets, loss_scale):
         loss, g = o.dense_step(cfg, idx.shape[0], idx.shape[1], inp)
         out_dtype = torch.float32 if o.dtype in (torch.float16, torch.bfloat16) else o.dtype
         return loss.reshape(()).to(out_dtype), host_grads(g, cfg, idx, targets, loss_scale, out_dtype)
-
-
-def manual_loss_and_grads(params, idx, targets, *, n_head, dtype=torch.float32, device='cpu',
-                          loss_scale=1.0, ops=TorchOps):
-    """Loss and gradients of GPT-2 by the hand derivation, run eagerly by PyTorch.
-    params: {name: tensor} as GPT.named_parameters(). Returns (loss, grads): the mean
-    cross-entropy (0-dim tensor) and {name: gradient}, unscaled. ops: the backend class."""
-    cfg = config_from_params(params, n_head)
-    check_batch(cfg, idx, targets)
-    w = {k: v.detach().to(device=device, dtype=dtype) for k, v in params.items()}
-    return eager_loss_and_grads(ops(dtype, device), cfg, w, idx.to(device), targets.to(device), loss_scale)
 
 
 def grads_finite(grads):
@@ -777,8 +736,7 @@ class MILOps(Derivation):
 
 
 def import_coremltools():
-    """coremltools, imported quietly: off macOS it warns that its Core ML runtime is
-    missing, which is expected here (we only build, save and read programs)."""
+    """coremltools, without its warning off macOS that the Core ML runtime is missing."""
     import logging
     if not ON_MAC:
         logging.getLogger('coremltools').setLevel(logging.ERROR)
@@ -824,7 +782,33 @@ def coreml_predict_fn(path):
     return export_ane.numpy_predict(export_ane.load_coreml_program(path))
 
 
-class CoreMLEngine:
+def device_synchronize(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+    elif device.type == 'mps':
+        torch.mps.synchronize()
+
+
+class Engine:
+    """What the concurrent step needs of an engine: loss_and_grads(idx, targets) -> (0-dim
+    loss, {param name: gradient}) for one microbatch from the current weights, fp32 (fp64 in
+    fp64 runs) tensors of the caller's own, which the step sums into; name ('gpu' or 'ane'),
+    label, device, holds_gil (does a call hold the GIL?) and scaler (a LossScaler);
+    load_weights(params), once per step; running(), a context for its thread's work (its own
+    CUDA stream in standin.py); synchronize(), a wait for its queued work."""
+    holds_gil = False
+
+    def load_weights(self, params):
+        pass
+
+    def running(self):
+        return contextlib.nullcontext()
+
+    def synchronize(self):
+        device_synchronize(self.device)
+
+
+class CoreMLEngine(Engine):
     """The ANE engine: the saved Core ML program, fed by the host's sparse work."""
     name = 'ane'
     device = torch.device('cpu')
@@ -838,10 +822,9 @@ class CoreMLEngine:
         self.predict = predict or coreml_predict_fn(path)
         self.holds_gil = predict is None and ON_MAC  # Core ML's predict does (ANE_NOTES section 1)
         self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
-        # Persistent input buffers, in fp32: coremltools wraps fp32 arrays without a copy but
-        # rewrites every fp16 one as a new fp32 array (ANE_NOTES section 1), and Core ML
-        # frees its inputs late, on its own queue (coremltools PRs #2827, #2829): buffers
-        # that live as long as the engine are never freed under it.
+        # Persistent fp32 input buffers: coremltools wraps fp32 arrays without a copy but makes
+        # a new fp32 array of every fp16 one, and Core ML frees its inputs late, on its own
+        # queue (ANE_NOTES section 1; coremltools PRs #2827, #2829): these are never freed.
         self.inputs = {k: np.zeros(s, np.float32) for k, s in dense_input_shapes(self.cfg, self.B, self.T).items()}
         self.checked = False
         self.label = f"Core ML program {os.path.basename(path)}" + ('' if ON_MAC else ' (NumPy evaluator)')
@@ -857,10 +840,10 @@ class CoreMLEngine:
     def load_weights(self, params):
         # once per step, into the persistent buffers
         if not self.checked:  # first call: are these the weights of the exported model?
-            try:
-                self.check(config=config_from_params(params, n_head=self.cfg.n_head))
-            except ValueError as e:
-                raise UserError(f"{self.path}: {e}; re-export it with export_ane.py for this model") from None
+            if {k: tuple(p.shape) for k, p in params.items()} != {
+                    k: tuple(p.shape) for k, p in GPT_param_shapes(self.cfg).items()}:
+                raise UserError(f"{self.path} was exported for another model ({self.cfg}): re-export it with "
+                                "export_ane.py for this one")
             self.checked = True
         for k, v in host_weights({k: p.detach() for k, p in params.items()}, self.cfg).items():
             np.copyto(self.inputs[k], v.float().cpu().numpy())
@@ -882,35 +865,17 @@ class CoreMLEngine:
         loss = torch.tensor(float(out['loss'].reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf)
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
 
-    def running(self):
-        return contextlib.nullcontext()
-
-    def synchronize(self):
-        pass
-
 
 # -----------------------------------------------------------------------------
-# 5. The PyTorch engines. Each engine computes (loss, grads) for one microbatch from the
-# current weights: loss_and_grads(idx, targets) -> (0-dim loss, {param name: gradient}),
-# fp32 (fp64 in fp64 runs) tensors of the caller's own, which the step sums into. It has
-# name, label, device, holds_gil (does a call hold the GIL?), scaler (a LossScaler),
-# load_weights(params) (once per step), running() (a context for its thread's work) and
-# synchronize() (wait for its queued work).
+# 5. The PyTorch engines (the interface: Engine, section 4).
 # AutogradEngine: nanoGPT's model + autograd (the GPU: MPS or CUDA; or the CPU).
 # EagerEngine:    the derivation run by PyTorch, no autograd. Off a Mac it stands in for
 #                 the ANE, in fp16 by default so its arithmetic is the ANE's.
-# CoreMLEngine:   the derivation as a Core ML program on the ANE (section 4).
 
 
-def device_synchronize(device):
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    elif device.type == 'mps':
-        torch.mps.synchronize()
-
-
-class AutogradEngine:
-    name, holds_gil = 'gpu', False
+class AutogradEngine(Engine):
+    """The GPU engine; its model *is* the master copy of the weights (no load_weights)."""
+    name = 'gpu'
 
     def __init__(self, model, device, dtype, compile=False, scaler=None):
         self.model, self.device = model, device
@@ -922,9 +887,6 @@ class AutogradEngine:
         # fp16 autocast needs a loss scale, as the fp16 ANE engine does; bf16 and fp32 don't
         self.scaler = scaler if dtype == torch.float16 and scaler else LossScaler(1.0, 0, enabled=False)
         self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
-
-    def load_weights(self, params):
-        pass  # this engine's model *is* the master copy of the weights
 
     def loss_and_grads(self, idx, targets):
         for _, p in self.params:
@@ -938,16 +900,10 @@ class AutogradEngine:
         loss.backward()
         return loss.detach(), {n: p.grad for n, p in self.params}
 
-    def running(self):
-        return contextlib.nullcontext()
 
-    def synchronize(self):
-        device_synchronize(self.device)
-
-
-class EagerEngine:
+class EagerEngine(Engine):
     """The derivation, eagerly, on its own copy of the weights in its dtype."""
-    name, holds_gil = 'ane', False
+    name = 'ane'
     ops = TorchOps  # the backend class (standin.py's engine passes a fused one)
 
     def __init__(self, cfg, device, dtype, scaler, compile=False):
@@ -965,12 +921,6 @@ class EagerEngine:
     def loss_and_grads(self, idx, targets):
         return eager_loss_and_grads(self.o, self.cfg, self.w, idx.to(self.device), targets.to(self.device),
                                     self.scaler.scale)
-
-    def running(self):
-        return contextlib.nullcontext()
-
-    def synchronize(self):
-        device_synchronize(self.device)
 
 
 class LossScaler:
@@ -1072,10 +1022,9 @@ def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
 
 
 class HeteroStep:
-    """One optimizer step over a list of microbatches, on one or both engines.
-
-    Both engines start from the same weights (the ANE engine's copy is refreshed here,
-    once per step), run in their own threads, and return summed gradients. All
+    """One optimizer step over a list of microbatches, on one or both engines. Both start
+    from the same weights (the ANE engine's copy is refreshed here, once per step), run in
+    their own threads, and return summed gradients. All
     microbatches have B*T tokens, so the token-weighted mean is the sum over both engines
     divided by the count of microbatches that contributed. An engine whose gradients are
     not finite (fp16 overflow) is left out of that step: the mean is then over the other
@@ -1331,7 +1280,7 @@ def train(cfg, given=frozenset()):
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir or '.', exist_ok=True)
     ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
-    model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm_write if rank == 0 else
+    model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm.write if rank == 0 else
                                                        lambda s: print(f"rank {rank}: {s}", file=sys.stderr))
     split = step.split
     it, tokens, elapsed, best_val = run_files.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
@@ -1353,7 +1302,7 @@ def train(cfg, given=frozenset()):
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     metrics = open(metrics_path if rank == 0 else os.devnull, 'a')
     evaluator = engines.get('gpu') or AutogradEngine(model, device, dtype)
-    bar = make_bar(cfg, it)
+    bar = tqdm(total=cfg.max_iters, initial=it, disable=cfg.quiet, dynamic_ncols=True, desc='train')
     next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0
     j0, t_log, tok_log = meter.joules(), elapsed, 0
     if it >= cfg.max_iters:
@@ -1370,12 +1319,7 @@ def train(cfg, given=frozenset()):
             tok_log += tok_per_step
             elapsed += time.perf_counter() - t0
             if cfg.max_bad_steps and bad >= cfg.max_bad_steps:  # diverged: stop, before any checkpoint
-                floor = ', '.join(n for n, e in engines.items() if e.scaler.enabled and e.scaler.scale <= 1.0)
-                raise UserError(f"step {it}: {bad} steps in a row without a usable gradient (loss {out['loss']}): "
-                                f"diverged, likely as --learning_rate {cfg.learning_rate} is too high"
-                                + (f" (fp16 overflows at the loss scale's floor of 1: {floor})" if floor else '')
-                                + (f"; lower it and --resume from {ckpt_path}, the last good step's" if
-                                   os.path.exists(ckpt_path) else "; lower it and start over with --overwrite"))
+                raise run_files.diverged(cfg, it, bad, out['loss'], engines, ckpt_path)
             row = None
             if it % cfg.log_interval == 0 or it == cfg.max_iters:
                 dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
@@ -1432,16 +1376,6 @@ def train(cfg, given=frozenset()):
             text = enc.decode(model.generate(start, cfg.sample_tokens)[0].tolist())
         print('---- sample ----\n' + text)
     return model
-
-
-def make_bar(cfg, start):
-    from tqdm import tqdm
-    return tqdm(total=cfg.max_iters, initial=start, disable=cfg.quiet, dynamic_ncols=True, desc='train')
-
-
-def tqdm_write(s):
-    from tqdm import tqdm
-    tqdm.write(s)
 
 
 def main(argv=None, run=train, cls=Config):

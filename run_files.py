@@ -131,3 +131,13 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
         truncate_metrics(os.path.join(cfg.out_dir, 'metrics.jsonl'), ck['iter_num'])
     print(f"resumed from {path} at step {ck['iter_num']}")
     return ck['iter_num'], ck['tokens'], ck['elapsed'], ck['best_val_loss']
+
+
+def diverged(cfg, it, bad, loss, engines, path):
+    """The error that stops a run after `bad` steps in a row without a usable gradient."""
+    floor = ', '.join(n for n, e in engines.items() if e.scaler.enabled and e.scaler.scale <= 1.0)
+    return hg.UserError(f"step {it}: {bad} steps in a row without a usable gradient (loss {loss}): "
+                        f"diverged, likely as --learning_rate {cfg.learning_rate} is too high"
+                        + (f" (fp16 overflows at the loss scale's floor of 1: {floor})" if floor else '')
+                        + (f"; lower it and --resume from {path}, the last good step's" if
+                           os.path.exists(path) else "; lower it and start over with --overwrite"))

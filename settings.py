@@ -19,7 +19,7 @@ class UserError(Exception):
 
 # What each numeric setting allows: setup() checks them all, before anything is written.
 LIMITS = (('> 0', lambda v: 0 < v < math.inf, 'batch_size gradient_accumulation_steps eval_interval log_interval '
-                                              'scale_window loss_scale'),
+                                              'scale_window loss_scale ane_loss_scale'),
           ('>= 0', lambda v: 0 <= v < math.inf, 'max_iters warmup_iters eval_iters sample_tokens seed max_bad_steps '
                                                 'learning_rate min_lr weight_decay grad_clip eval_seconds'),
           ('in [0, 1)', lambda v: 0 <= v < 1, 'beta1 beta2'))
@@ -123,9 +123,11 @@ def check(cfg, given, log=print):
     if cfg.ane_device != 'auto' and not hg.ON_MAC:
         resolve_device(cfg.ane_device, '--ane_device')
     # the settings given that this run does not use, said once: a flag is never a silent no-op
-    fp16 = dtype == torch.float16 and cfg.mode != 'ane' or cfg.mode != 'gpu' and (hg.ON_MAC or ane_dtype == torch.float16)
-    moot = dict(ane_package=not hg.ON_MAC or cfg.mode == 'gpu', ane_fraction=cfg.mode != 'hetero', loss_scale=not fp16,
-                scale_window=not fp16, compile=hg.ON_MAC and cfg.mode == 'ane')
+    gpu16 = dtype == torch.float16 and cfg.mode != 'ane'  # which engines scale their loss
+    ane16 = cfg.mode != 'gpu' and (hg.ON_MAC or ane_dtype == torch.float16)
+    fp16 = gpu16 or ane16
+    moot = dict(ane_package=not hg.ON_MAC or cfg.mode == 'gpu', ane_fraction=cfg.mode != 'hetero', loss_scale=not gpu16,
+                ane_loss_scale=not ane16, scale_window=not fp16, compile=hg.ON_MAC and cfg.mode == 'ane')
     moot |= dict.fromkeys(('ane_device', 'ane_dtype', 'fused_kernels'), hg.ON_MAC or cfg.mode == 'gpu')
     if unused := [f'--{k}' for k in moot if moot[k] and k in given]:
         log(f"not used by this run (mode {cfg.mode}{', macOS' if hg.ON_MAC else ''}{'' if fp16 else ', no fp16 engine'}): "

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hetero_gpt import GPT, GPTConfig, TorchOps, eager_loss_and_grads, manual_loss_and_grads, vocab_chunks
+from hetero_gpt import GPT, GPTConfig, GPT_param_shapes, TorchOps, check_batch, eager_loss_and_grads, vocab_chunks
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 FP16_MIN_COSINE = 0.999
@@ -35,6 +35,36 @@ CONFIGS = [
     dict(cfg=GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16, bias=False), B=2, T=5),
 ]
 IDS = ['2L4H-V20000-T7', '1L1H-V50-T8', '2L2H-nobias-T5']
+
+
+def config_from_params(params, n_head):
+    """GPTConfig from the weights' shapes and n_head (which no shape holds); a clear error
+    if the weights are not a GPT-2's."""
+    try:
+        V, C = params['transformer.wte.weight'].shape
+        block_size = params['transformer.wpe.weight'].shape[0]
+    except KeyError as e:
+        raise ValueError(f"params lacks {e}: expected the keys of GPT.named_parameters()") from None
+    n_layer = len({k.split('.')[2] for k in params if k.startswith('transformer.h.')})
+    cfg = GPTConfig(block_size=block_size, vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=C,
+                    bias='transformer.ln_f.bias' in params)
+    expected = {k: tuple(v.shape) for k, v in GPT_param_shapes(cfg).items()}
+    got = {k: tuple(v.shape) for k, v in params.items()}
+    if expected != got:
+        bad = sorted(set(expected) ^ set(got)) or [k for k in expected if expected[k] != got[k]]
+        raise ValueError(f"params do not match a GPT-2 of {cfg}: check {bad[:4]}")
+    return cfg
+
+
+def manual_loss_and_grads(params, idx, targets, *, n_head, dtype=torch.float32, device='cpu',
+                          loss_scale=1.0, ops=TorchOps):
+    """Loss and gradients of GPT-2 by the hand derivation, run eagerly by PyTorch.
+    params: {name: tensor} as GPT.named_parameters(). Returns (loss, grads): the mean
+    cross-entropy (0-dim tensor) and {name: gradient}, unscaled. ops: the backend class."""
+    cfg = config_from_params(params, n_head)
+    check_batch(cfg, idx, targets)
+    w = {k: v.detach().to(device=device, dtype=dtype) for k, v in params.items()}
+    return eager_loss_and_grads(ops(dtype, device), cfg, w, idx.to(device), targets.to(device), loss_scale)
 
 
 def rel_err(a, ref):

@@ -79,9 +79,12 @@ def test_settings_that_do_not_apply_are_named_once(capsys):
     assert len(moot) == 1 and all(f in moot[0] for f in ('--ane_package', '--ane_fraction', '--loss_scale'))
     assert ('--fused_kernels' in moot[0]) and ('no fp16 engine' in moot[0])
     said.clear()
-    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--loss_scale', '8'])
+    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_loss_scale', '8'])
     hg.setup(cfg, given, log=said.append)  # the fp16 stand-in uses its loss scale: nothing to say
     assert not [s for s in said if s.startswith('not used')]
+    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--loss_scale', '8'])
+    hg.setup(cfg, given, log=said.append)  # --loss_scale is the GPU engine's, which mode ane has not
+    assert [s for s in said if s.startswith('not used') and '--loss_scale' in s]
 
 
 def test_help_says_what_replaces_the_defaults_without_a_gpu(capsys):
@@ -241,7 +244,7 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, r
     # that state (a checkpoint was due at step 15)
     before = files(run_dir)
     code = main(data_dir, run_dir, '--max_iters', '40', '--resume', '--mode', 'ane', '--learning_rate', '10',
-                '--warmup_iters', '0', '--loss_scale', '8', '--max_bad_steps', '5')
+                '--warmup_iters', '0', '--ane_loss_scale', '8', '--max_bad_steps', '5')
     assert code == 2
     line = error(capsys)
     assert '5 steps in a row' in line and 'learning_rate 10' in line and 'loss scale' in line, line

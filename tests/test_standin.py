@@ -47,7 +47,7 @@ def test_fused_kernels_model_grads(dtype, case):
     # without: bias=False); bf16 (8 significant bits, fp16 has 11) by the fp16 cosine
     params, idx, targets, ref_loss, ref = tg.autograd_reference(case['cfg'], case['B'], case['T'])
     scale = 1024.0 if dtype == torch.float16 else 1.0
-    loss, grads = hg.manual_loss_and_grads(params, idx, targets, n_head=case['cfg'].n_head, dtype=dtype,
+    loss, grads = tg.manual_loss_and_grads(params, idx, targets, n_head=case['cfg'].n_head, dtype=dtype,
                                            loss_scale=scale, ops=FusedOps)
     half = dtype in (torch.float16, torch.bfloat16)
     # loss: log-sum-exps of ~6 rounded to fp16 (relative 5e-4) or bf16 (4e-3), then averaged
@@ -131,7 +131,7 @@ def test_cuda_graph_replays_the_eager_step(dtype, fused):
             outs = [eng.loss_and_grads(x, y) for x, y in mbs]  # the caller's own: the 2nd replay leaves the 1st
         assert eng.graph is not None and eng.graph_key == ((2, CFG.block_size), scale)
         for (x, y), (l, g) in zip(mbs, outs):
-            ref_l, ref_g = hg.manual_loss_and_grads(params, x, y, n_head=CFG.n_head, dtype=dtype, device=dev,
+            ref_l, ref_g = tg.manual_loss_and_grads(params, x, y, n_head=CFG.n_head, dtype=dtype, device=dev,
                                                     loss_scale=scale, ops=FusedOps if fused else hg.TorchOps)
             assert close(l, ref_l, rel), (step, l, ref_l)
             for k in ref_g:
@@ -190,7 +190,7 @@ def test_fused_kernels_on_cuda(dtype, kernel):
     params = {k: p.detach() for k, p in model.named_parameters()}
     scale = 1024.0 if dtype == torch.float16 else 1.0
     with sdpa_kernel([KERNELS[kernel]]):  # only that kernel pair: the fp64 reference above ran outside
-        l, g = hg.manual_loss_and_grads(params, x, y, n_head=CFG.n_head, dtype=dtype, device='cuda',
+        l, g = tg.manual_loss_and_grads(params, x, y, n_head=CFG.n_head, dtype=dtype, device='cuda',
                                         loss_scale=scale, ops=FusedOps)
     assert abs(l.item() - loss.item()) < 1e-2 * loss.item()
     for k, p in model.named_parameters():
