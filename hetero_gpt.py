@@ -1044,14 +1044,17 @@ class HeteroStep:
         self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
         self.skipped = 0  # steps with no usable gradient at all (no update)
 
-    def __call__(self, microbatches):
-        """The mean gradient into p.grad; returns dict(loss, used, results)."""
-        try:  # checked first: a batch the model cannot take is an input error, never an engine fault
+    def check(self, microbatches):  # first: a batch the model cannot take is an input error, not a fault
+        try:
             for idx, targets in microbatches:
                 check_batch(self.model.config, idx, targets)
         except ValueError as e:
             raise UserError(f"a microbatch of this step is no valid input ({e}): the data is at fault, "
                             "not an engine") from None
+
+    def __call__(self, microbatches):
+        """The mean gradient into p.grad; returns dict(loss, n, used, results)."""
+        self.check(microbatches)
         k = self.split.assign(self.alive)
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
         for name in self.alive:

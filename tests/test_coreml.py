@@ -7,6 +7,8 @@ import torch
 import export_ane
 import hetero_gpt as hg
 
+pytest.importorskip('coremltools')  # (the machines that lend a GPU may not have it)
+
 # vocabulary 20000 > 16384: two chunks; T = 7: not a power of two; 4 heads
 CFG = hg.GPTConfig(block_size=16, vocab_size=20000, n_layer=2, n_head=4, n_embd=32)
 B, T = 3, 7
