@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny text data set, tokenized by prepare_data.py, made per session."""
+"""Shared fixtures: a tiny text data set, tokenized by prepare_data.py, made once per test run."""
 import pytest
 
 import prepare_data
