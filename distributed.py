@@ -50,9 +50,6 @@ def join_ranks(cfg):
     dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
                             timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     start_heartbeat(dist.get_rank(), cfg.dist_timeout)
-    if cfg.gradient_accumulation_steps < dist.get_world_size():
-        raise hg.UserError(f"--gradient_accumulation_steps counts all ranks' microbatches: "
-                           f"use {dist.get_world_size()} or more")
     return world()
 
 
@@ -76,6 +73,16 @@ def from_rank0(obj):
         dist.broadcast_object_list(box := [obj])
         obj = box[0]
     return obj
+
+
+def rank0_first(fn):
+    """fn() on rank 0 first, then on the other ranks (what they all read, rank 0 makes)."""
+    if world()[0] == 0:
+        out = fn()
+        from_rank0(None)
+        return out
+    from_rank0(None)
+    return fn()
 
 
 def gather(obj):

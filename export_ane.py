@@ -87,7 +87,7 @@ def program_report(prog, cfg, B, T):
                 off_ane=sorted(k for k in kinds if k in OFF_ANE_OPS))
 
 
-PROGRAM_FORMAT = 3  # bump when the program's inputs, outputs or metadata change
+PROGRAM_FORMAT = 4  # bump when the program changes (4: the ANE's fp16: sums as matmuls, safe layernorm)
 
 
 def package_meta(cfg, B, T):
@@ -146,14 +146,19 @@ def ensure_package(cfg, log=print):
     mcfg = hg.model_config(cfg)
     path = cfg.ane_package or os.path.join(cfg.out_dir, f'ane_B{cfg.batch_size}_T{cfg.block_size}.mlpackage')
     if os.path.isdir(path):
-        meta = read_package_meta(path)
+        try:
+            meta = read_package_meta(path)
+        except hg.UserError:  # another version's (or no) package: the trainer's own is made again
+            if cfg.ane_package:
+                raise
+            meta = None
         if meta == package_meta(mcfg, cfg.batch_size, cfg.block_size):
             return path
         if cfg.ane_package:
             raise hg.UserError(f"--ane_package {path} was exported for other shapes; re-export it with "
                                f"`python export_ane.py {mcfg.flags()} --microbatch {cfg.batch_size} --out {path}`"
                                " or name another path")
-        log(f"{path} was exported for other shapes: exporting again")
+        log(f"{path} was exported for other shapes or by another version: exporting again")
     log(f"exporting the Core ML training program to {path} ...")
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     export_coreml(mcfg, cfg.batch_size, cfg.block_size, path)

@@ -1120,7 +1120,7 @@ class HeteroStep:
         master = next(iter(self.params.values())).device
         total = None
         for r in used.values():  # the engines' sums are their own buffers: added to in place
-            g = [r['grads'][pn].to(master) for pn in self.params]
+            g = [r['grads'][pn].to(master, p.dtype) for pn, p in self.params.items()]
             if total is None:
                 total = g
             else:
@@ -1239,14 +1239,15 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile,
                                         scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
     if mode in ('ane', 'hetero'):
-        scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, limit=ANE_OVERFLOW / 2)
+        ane_dev = device if cfg.ane_device == 'auto' or ON_MAC else resolve_device(cfg.ane_device, '--ane_device')
+        ane_dtype = torch.float16 if ON_MAC else resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
+        scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=ane_dtype == torch.float16,
+                            limit=ANE_OVERFLOW / 2)
         if ON_MAC:
             import export_ane
-            engines['ane'] = CoreMLEngine(export_ane.ensure_package(cfg, log), model.config, scaler=scaler)
+            engines['ane'] = CoreMLEngine(export_ane.ensure_package(cfg, log), config=model.config, scaler=scaler)
         else:
-            ane_dev = device if cfg.ane_device == 'auto' else resolve_device(cfg.ane_device, '--ane_device')
-            engines['ane'] = eager_engine_class(cfg, ane_dev)(
-                model.config, ane_dev, resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype'), scaler, cfg.compile)
+            engines['ane'] = eager_engine_class(cfg, ane_dev)(model.config, ane_dev, ane_dtype, scaler, cfg.compile)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
                 # the CPU engine would take every core; leave one to the thread that feeds the
                 # GPU, whose kernel launches would otherwise wait behind the CPU's math
@@ -1279,7 +1280,7 @@ def train(cfg, given=frozenset()):
     rank, world = distributed.join_ranks(cfg)
     device, dtype = setup(cfg, given)
     old_run = run_files.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
-    data = load_data(cfg)
+    data = distributed.rank0_first(lambda: load_data(cfg))  # (rank 0 prepares a set that is missing)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir or '.', exist_ok=True)
     ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
@@ -1288,7 +1289,7 @@ def train(cfg, given=frozenset()):
     split = step.split
     it, tokens, elapsed, best_val = run_files.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
     bad = 0  # steps in a row without a usable gradient
-    for path in old_run:
+    for path in old_run if rank == 0 else []:  # (--overwrite)
         os.remove(path)
 
     def checkpoint():
@@ -1348,7 +1349,8 @@ def train(cfg, given=frozenset()):
                     next_eval_s += cfg.eval_seconds
             scheduled = it % cfg.eval_interval == 0 or it == cfg.max_iters
             if scheduled or timed_eval:
-                distributed.check_same_weights(model, it)
+                if scheduled:  # (a timed evaluation comes at each rank's own time: no collective there)
+                    distributed.check_same_weights(model, it)
                 val = evaluate(model, evaluator, cfg, data['val'])
                 best_val = min(best_val, val)
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(

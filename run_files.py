@@ -125,8 +125,12 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
         print(f"--ane_fraction {cfg.ane_fraction} given: it replaces the checkpoint's split of the microbatches")
     else:
         split.load_state_dict(ck['split'])
-    for n, e in engines.items():  # rank 0's loss scales for every rank
-        e.scaler.scale = ck['loss_scales'].get(n, e.scaler.scale)
+    for n, e in engines.items():  # rank 0's loss scales for every rank, unless given or unused
+        flag = {'gpu': 'loss_scale', 'ane': 'ane_loss_scale'}[n]
+        if flag in given and e.scaler.enabled:
+            print(f"--{flag} {getattr(cfg, flag)} given: it replaces the checkpoint's loss scale")
+        elif e.scaler.enabled and ck['loss_scales'].get(n, 1.0) > 1.0:  # (a bf16/fp32 run saved 1.0)
+            e.scaler.scale = ck['loss_scales'][n]
     if rank == 0:
         truncate_metrics(os.path.join(cfg.out_dir, 'metrics.jsonl'), ck['iter_num'])
     print(f"resumed from {path} at step {ck['iter_num']}")

@@ -8,6 +8,7 @@ settings themselves and not their parsing.
 import argparse
 import dataclasses
 import math
+import os
 import sys
 
 import torch
@@ -19,7 +20,7 @@ class UserError(Exception):
 
 # What each numeric setting allows: setup() checks them all, before anything is written.
 LIMITS = (('> 0', lambda v: 0 < v < math.inf, 'batch_size gradient_accumulation_steps eval_interval log_interval '
-                                              'scale_window loss_scale ane_loss_scale'),
+                                              'scale_window loss_scale ane_loss_scale dist_timeout'),
           ('>= 0', lambda v: 0 <= v < math.inf, 'max_iters warmup_iters eval_iters sample_tokens seed max_bad_steps '
                                                 'learning_rate min_lr weight_decay grad_clip eval_seconds'),
           ('in [0, 1)', lambda v: 0 <= v < 1, 'beta1 beta2'))
@@ -119,6 +120,9 @@ def check(cfg, given, log=print):
             if not ok(getattr(cfg, k)):
                 raise UserError(f"--{k} {getattr(cfg, k)}: must be a finite number {allowed}")
     hg.model_config(cfg)  # raises if a size is < 1 or n_embd % n_head
+    if cfg.gradient_accumulation_steps < int(os.environ.get('WORLD_SIZE', 1)):  # under torchrun
+        raise UserError(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} counts all ranks' "
+                        f"microbatches: use {os.environ['WORLD_SIZE']} or more")
     dtype, ane_dtype = resolve_dtype(cfg.dtype, device), resolve_dtype(cfg.ane_dtype, device, '--ane_dtype')
     if cfg.ane_device != 'auto' and not hg.ON_MAC:
         resolve_device(cfg.ane_device, '--ane_device')

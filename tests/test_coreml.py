@@ -165,3 +165,19 @@ def test_program_without_biases(tmp_path):
     export_ane.export_coreml(hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16), 2, 5, with_bias)
     with pytest.raises(hg.UserError, match='export_ane.py'):
         hg.CoreMLEngine(with_bias, config=cfg)
+
+
+def test_trainer_builds_the_core_ml_engine_as_on_macos(tmp_path, monkeypatch):
+    # what build_engines does on macOS, with the NumPy evaluator for Core ML's predict: the
+    # package for the run's shapes, the engine checked against the run's model, one step
+    monkeypatch.setattr(hg, 'ON_MAC', True)
+    monkeypatch.setattr(hg, 'coreml_predict_fn', lambda path: export_ane.numpy_predict(export_ane.load_coreml_program(path)))
+    cfg, _ = hg.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '8',
+                            '--vocab_size', '100', '--batch_size', '2', '--out_dir', str(tmp_path)])
+    model = hg.GPT(hg.model_config(cfg))
+    engines = hg.build_engines(cfg, model, torch.device('cpu'), torch.float32, 'ane', log=lambda s: None)
+    eng = engines['ane']
+    assert isinstance(eng, hg.CoreMLEngine) and eng.cfg == model.config and eng.scaler.enabled
+    eng.load_weights(dict(model.named_parameters()))
+    loss, grads = eng.loss_and_grads(*(torch.randint(0, 100, (2, 8)) for _ in range(2)))
+    assert 0 < loss.item() < 10 and set(grads) == {k for k, _ in model.named_parameters()}
