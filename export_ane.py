@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import hetero_gpt as hg
+import settings
 
 # Ops the ANE does not run (ANE_NOTES): Core ML moves them to the CPU, with transfers.
 OFF_ANE_OPS = {'gather', 'gather_nd', 'gather_along_axis', 'scatter', 'scatter_nd', 'scatter_along_axis',
@@ -311,7 +312,7 @@ def macos_compute_plan(path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    hg.add_flags(p, hg.GPTConfig)  # the model's flags, as hetero_gpt.py's
+    settings.add_flags(p, hg.GPTConfig)  # the model's flags, as hetero_gpt.py's
     p.add_argument('--microbatch', type=int, default=4, help="sequences per call (B)")
     p.add_argument('--seq_len', type=int, default=0, help="tokens per sequence (T; default block_size)")
     p.add_argument('--out', default='ane.mlpackage', help="where to save the .mlpackage")

@@ -21,7 +21,6 @@ engines, 6 the concurrent step, 7 the training loop. Beside it, the plumbing: st
 (the off-Mac stand-in's speed; every mode trains without it), export_ane.py (packages,
 NumPy evaluator, report), settings.py, run_files.py, distributed.py, energy.py, bench.py.
 """
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -44,7 +43,7 @@ import settings  # first: the files beside this one take UserError from it
 import distributed
 import energy
 import run_files
-from settings import UserError, add_flags, parse_args, parse_bool, resolve_device, resolve_dtype  # noqa: F401
+from settings import UserError, parse_args, resolve_device, resolve_dtype  # noqa: F401 (hg.parse_args, ...)
 
 ON_MAC = sys.platform == 'darwin'
 ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (ANE_NOTES section 2)
