@@ -37,7 +37,7 @@ import hetero_gpt as hg
 
 MODES = ('gpu', 'ane', 'hetero')
 OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume')  # compare.py sets or forbids these
-UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_package', 'device', 'dist_timeout')  # may differ when reused
+UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_programs', 'device', 'dist_timeout')  # may differ when reused
 # (device too: finished runs made on a GPU machine can be summarized on another one)
 
 # -----------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def finished(rows, cfg):
 def run_one(flags, mode, seed, out_dir, drop_checkpoint=False):
     """Train one (mode, seed), or reuse/resume what its directory holds. Returns metrics rows."""
     run_dir = os.path.join(out_dir, f'{mode}_s{seed}')
-    defaults = ['--quiet', '--sample_tokens', '0', '--ane_package', os.path.join(out_dir, 'ane.mlpackage')]
+    defaults = ['--quiet', '--sample_tokens', '0', '--ane_programs', os.path.join(out_dir, 'ane_programs')]
     cfg, given = hg.parse_args(defaults + flags + ['--mode', mode, '--seed', str(seed), '--out_dir', run_dir,
                                                    '--eval_iters', '0'])
     hg.setup(cfg, given, log=lambda s: None)  # fills in the CPU defaults, so max_iters is final

@@ -1,16 +1,19 @@
 """
-Export HeteroEngine's training step (forward + loss + backward of GPT-2) as a Core ML
-program for the Neural Engine, and report what is in it.
+Export HeteroEngine's training step (forward + loss + backward of GPT-2) as the Core ML
+programs the ANE engine chains (a block's forward, a block's backward, the head), and
+report what is in them.
 
-    python export_ane.py --microbatch 4 --out ane.mlpackage        # GPT-2 124M, T=1024
-    python export_ane.py --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 --microbatch 8 --out tiny.mlpackage
+    python export_ane.py                                           # GPT-2 124M, 4x1024 tokens a call
+    python export_ane.py --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 --microbatch 8 --out tiny
+    python export_ane.py --whole_step --out ane_step               # the whole step as one program
     python export_ane.py ... --check                               # on macOS: on the ANE
 
-The report (any OS): ops by type, FLOPs per call against the analytic count, bytes in
-and out per call, the largest tensor dimension, and ops known to fall off the ANE.
---check compares the program's gradients with autograd: on macOS through Core ML on
+The report (any OS), per program: calls per microbatch, ops, FLOPs, bytes in and out, an
+estimate of its largest live memory, the largest tensor dimension, ops known to fall off
+the ANE; per microbatch: FLOPs against the analytic count. Programs past the ANE's limits
+are refused. --check compares the gradients with autograd: on macOS through Core ML on
 CPU_AND_NE (plus the compute plan: which ops Core ML placed on the Neural Engine, and
-predict timings); elsewhere through the NumPy evaluator (slow; use a small model).
+timings); elsewhere through the NumPy evaluator (slow; use a small model).
 """
 import argparse
 import collections
@@ -68,102 +71,227 @@ def is_sum(op):
     return op.op_type == 'matmul' and any(op.inputs[k].val is not None for k in ('x', 'y'))
 
 
-def program_report(prog, cfg, B, T):
-    """What is in the program, computed from the program itself (the saved one, read back)."""
+def live_bytes(f):
+    """An estimate of a program's largest live memory: walking its ops in order, each
+    tensor (fp16, 2 bytes an element; inputs from the start) lives from the op that makes it
+    to the last op that reads it; the largest sum over that walk. Core ML plans its own
+    memory and may reuse or split buffers: this is the plan without reuse across ops."""
+    size = lambda v: int(np.prod(v.shape)) * 2 if hasattr(v, 'shape') else 0
+    last = {}
+    for i, op in enumerate(f.operations):
+        for v in op.inputs.values():
+            for u in v if isinstance(v, (list, tuple)) else [v]:
+                last[u.name] = i
+    for v in f.outputs:
+        last[v.name] = len(f.operations)
+    alive = {v.name: size(v) for v in f.inputs.values()}
+    peak = total = sum(alive.values())
+    for i, op in enumerate(f.operations):
+        for v in op.outputs:
+            alive[v.name] = size(v)
+            total += alive[v.name]
+        peak = max(peak, total)
+        for name in [n for n in alive if last.get(n, -1) <= i]:
+            total -= alive.pop(name)
+    return peak
+
+
+def program_report(prog):
+    """What is in one program, computed from the program itself (the saved one, read back)."""
     f = prog.functions['main']
     ops = [op for op in f.operations if op.op_type != 'const']
     kinds = collections.Counter(op.op_type for op in ops)
-    flops = sum(op_flops(op) for op in ops)
-    mm = sum(op_flops(op) for op in ops if op.op_type == 'matmul' and not is_sum(op))
-    sums = sum(op_flops(op) for op in ops if is_sum(op))
     dims = [d for op in f.operations for v in op.outputs if hasattr(v, 'shape') for d in v.shape]
     dims += [d for v in f.inputs.values() for d in v.shape]
     ranks = [len(v.shape) for op in f.operations for v in op.outputs if hasattr(v, 'shape')]
     nbytes = lambda vs: sum(int(np.prod(v.shape)) * 2 for v in vs)  # fp16: 2 bytes an element
+    return dict(ops=len(ops), op_types=dict(kinds.most_common()), flops=sum(op_flops(op) for op in ops),
+                matmul_flops=sum(op_flops(op) for op in ops if op.op_type == 'matmul' and not is_sum(op)),
+                sum_flops=sum(op_flops(op) for op in ops if is_sum(op)),
+                bytes_in=nbytes(f.inputs.values()), bytes_out=nbytes(f.outputs), live_bytes=live_bytes(f),
+                largest_dim=max(dims), max_rank=max(ranks), off_ane=sorted(k for k in kinds if k in OFF_ANE_OPS))
+
+
+def step_report(reports, cfg, B, T):
+    """One microbatch of B sequences through every program: each piece's calls (L blocks
+    forward and backward, one head), its totals, against the analytic count."""
+    calls = {'step': 1, 'block_forward': cfg.n_layer, 'head': 1, 'block_backward': cfg.n_layer}
+    total = {k: sum(calls[p] * r[k] for p, r in reports.items())
+             for k in ('flops', 'matmul_flops', 'sum_flops', 'bytes_in', 'bytes_out')}
     exact, estimate = analytic_flops(cfg, B, T)
-    return dict(ops=len(ops), op_types=dict(kinds.most_common()), flops=flops, matmul_flops=mm, sum_flops=sums,
-                analytic_matmul_flops=exact, estimate_flops=estimate,
-                bytes_in=nbytes(f.inputs.values()), bytes_out=nbytes(f.outputs),
-                largest_dim=max(dims), max_rank=max(ranks),
-                off_ane=sorted(k for k in kinds if k in OFF_ANE_OPS))
+    return total | dict(calls={p: calls[p] for p in reports}, analytic_matmul_flops=exact, estimate_flops=estimate,
+                        live_bytes=max(r['live_bytes'] for r in reports.values()),
+                        largest_dim=max(r['largest_dim'] for r in reports.values()))
 
 
-PROGRAM_FORMAT = 4  # bump when the program changes (4: the ANE's fp16: sums as matmuls, safe layernorm)
+def check_ane_limits(reports, B):
+    """Refuses programs past what the ANE takes (ANE_NOTES sections 1, 2): a dimension over
+    ANE_MAX_DIM, or live memory past ANE_MEMORY (there Core ML would run it on the CPU)."""
+    for piece, r in reports.items():
+        if r['largest_dim'] > hg.ANE_MAX_DIM:
+            raise hg.UserError(f"program {piece} has a dimension of {r['largest_dim']}, past the ANE's "
+                               f"{hg.ANE_MAX_DIM}: use a smaller model or --microbatch")
+        if r['live_bytes'] > hg.ANE_MEMORY:
+            raise hg.UserError(f"program {piece} needs ~{r['live_bytes'] / 2**30:.1f} GiB live at {B} sequences a "
+                               f"call, past the ANE's {hg.ANE_MEMORY / 2**30:.2f} GiB: use a smaller --microbatch "
+                               "(--ane_batch_size in the trainer)")
 
 
-def package_meta(cfg, B, T):
-    return dict(format=PROGRAM_FORMAT, microbatch=B, seq_len=T, **dataclasses.asdict(cfg))
+PROGRAM_FORMAT = 5  # bump when a program changes (5: per-piece programs in one folder)
+META = 'heterogpt.json'
 
 
-def is_package(path):
-    """Whether path holds a package this project wrote (of any version)."""
+def programs_meta(cfg, B, T, pieces):
+    return dict(format=PROGRAM_FORMAT, microbatch=B, seq_len=T, pieces=list(pieces), **dataclasses.asdict(cfg))
+
+
+def program_path(programs, piece):
+    return os.path.join(programs, piece + '.mlpackage')
+
+
+def is_programs(path):
+    """Whether path is a folder of programs this project wrote (of any version)."""
     try:
-        hg.import_coremltools().utils.load_spec(path).description.metadata.userDefined['heterogpt']
-        return True
+        with open(os.path.join(path, META)) as f:
+            return 'format' in json.load(f)
     except Exception:
         return False
 
 
-def export_coreml(cfg, B, T, path):
-    """Builds the program (hg.build_coreml_program) and saves it as an .mlpackage at
-    `path`, atomically: a crash leaves no half-written package under that name. Only a
-    path that is absent or already holds a HeteroEngine package is written."""
+def export_programs(cfg, B, T, path, whole_step=False, log=None):
+    """Builds the programs (hg.build_coreml_program: the three pieces, or with whole_step the
+    step as one), checks them against the ANE's limits and saves them as .mlpackages in the
+    folder `path` with heterogpt.json, atomically: a crash leaves no half-written folder
+    under that name. Only a path that is absent or holds HeteroEngine programs is written.
+    Returns {piece: program_report}."""
     ct = hg.import_coremltools()
-    if os.path.lexists(path) and not is_package(path):
-        raise hg.UserError(f"{path} exists and is not a HeteroEngine Core ML package: refusing to overwrite it; "
-                           "choose another --out")
-    prog = hg.build_coreml_program(cfg, B, T)
-    model = ct.convert(prog, convert_to='mlprogram', compute_precision=ct.precision.FLOAT16,
-                       minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
-    model.user_defined_metadata['heterogpt'] = json.dumps(package_meta(cfg, B, T))
-    model.short_description = f"HeteroEngine GPT-2 training step, microbatch {B}x{T}"
-    tmp = path.rstrip('/') + '.tmp.mlpackage'  # coremltools insists on the extension
+    if os.path.lexists(path) and not is_programs(path):
+        raise hg.UserError(f"{path} exists and is not a folder of HeteroEngine programs: refusing to overwrite "
+                           "it; choose another --out")
+    pieces = ('step',) if whole_step else hg.ANE_PIECES
+    tmp = path.rstrip('/') + f'.tmp{os.getpid()}'
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save(tmp)
+        os.makedirs(tmp)
+        reports = {}
+        for piece in pieces:
+            model = ct.convert(hg.build_coreml_program(cfg, B, T, piece), convert_to='mlprogram',
+                               compute_precision=ct.precision.FLOAT16,
+                               minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
+            model.short_description = f"HeteroEngine GPT-2 {piece}, {B}x{T} tokens"
+            model.save(program_path(tmp, piece))
+            reports[piece] = program_report(load_coreml_program(program_path(tmp, piece)))
+        check_ane_limits(reports, B)
+        with open(os.path.join(tmp, META), 'w') as f:
+            json.dump(programs_meta(cfg, B, T, pieces), f)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return reports
 
 
-def read_package_meta(path):
-    """The metadata of a package this version of HeteroEngine exported; UserError else."""
+def read_programs_meta(path):
+    """The metadata of programs this version of HeteroEngine exported; UserError else."""
     if not os.path.isdir(path):
-        raise hg.UserError(f"no Core ML package at {path}: make one with `python export_ane.py --out {path}`")
+        raise hg.UserError(f"no ANE programs at {path}: make them with `python export_ane.py --out {path}`")
     try:
-        meta = json.loads(hg.import_coremltools().utils.load_spec(path).description.metadata.userDefined['heterogpt'])
+        with open(os.path.join(path, META)) as f:
+            meta = json.load(f)
+        missing = [p for p in meta['pieces'] if not os.path.isdir(program_path(path, p))]
     except Exception as e:
-        raise hg.UserError(f"{path} is not a HeteroEngine Core ML package ({e}); re-export it with export_ane.py")
+        raise hg.UserError(f"{path} is not a folder of HeteroEngine programs ({e!r}); re-export it with export_ane.py")
     if meta.get('format') != PROGRAM_FORMAT:
         raise hg.UserError(f"{path} was exported by another version of HeteroEngine; re-export it")
+    if missing:
+        raise hg.UserError(f"{path} lacks {', '.join(missing)}: re-export it with export_ane.py")
     return meta
 
 
-def ensure_package(cfg, log=print):
-    """The package --mode ane/hetero needs: reused if one exported for this configuration
-    exists, else exported now. A package the user named (--ane_package) is never
-    overwritten: one for other shapes is an error."""
-    mcfg = hg.model_config(cfg)
-    path = cfg.ane_package or os.path.join(cfg.out_dir, f'ane_B{cfg.batch_size}_T{cfg.block_size}.mlpackage')
+def ane_batch(cfg):
+    """The ANE's microbatch: --ane_batch_size, or the largest divisor of batch_size up to hg.ANE_BATCH."""
+    return cfg.ane_batch_size or max(b for b in range(1, min(cfg.batch_size, hg.ANE_BATCH) + 1) if cfg.batch_size % b == 0)
+
+
+def ensure_programs(cfg, log=print):
+    """The programs --mode ane/hetero needs: reused if exported for this configuration, else
+    exported now. A folder the user named (--ane_programs) is never overwritten: one for
+    other shapes is an error."""
+    mcfg, B = hg.model_config(cfg), ane_batch(cfg)
+    path = cfg.ane_programs or os.path.join(cfg.out_dir, f'ane_B{B}_T{cfg.block_size}')
+    want = programs_meta(mcfg, B, cfg.block_size, hg.ANE_PIECES)
     if os.path.isdir(path):
         try:
-            meta = read_package_meta(path)
-        except hg.UserError:  # another version's (or no) package: the trainer's own is made again
-            if cfg.ane_package:
+            meta = read_programs_meta(path)
+        except hg.UserError:  # another version's (or no) programs: the trainer's own are made again
+            if cfg.ane_programs:
                 raise
             meta = None
-        if meta == package_meta(mcfg, cfg.batch_size, cfg.block_size):
+        if meta == want or (cfg.ane_programs and meta == want | dict(pieces=['step'])):
             return path
-        if cfg.ane_package:
-            raise hg.UserError(f"--ane_package {path} was exported for other shapes; re-export it with "
-                               f"`python export_ane.py {mcfg.flags()} --microbatch {cfg.batch_size} --out {path}`"
-                               " or name another path")
+        if cfg.ane_programs:
+            raise hg.UserError(f"--ane_programs {path} was exported for other shapes; re-export it with "
+                               f"`python export_ane.py {mcfg.flags()} --microbatch {B} --seq_len {cfg.block_size} "
+                               f"--out {path}` or name another path")
         log(f"{path} was exported for other shapes or by another version: exporting again")
-    log(f"exporting the Core ML training program to {path} ...")
+    log(f"exporting the ANE's Core ML programs to {path} ...")
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    export_coreml(mcfg, cfg.batch_size, cfg.block_size, path)
+    export_programs(mcfg, B, cfg.block_size, path)
     return path
+
+
+def open_programs(path, predict=None, scaler=None, holds_gil=False):
+    """A CoreMLEngine on the programs in `path`, in this process: by Core ML on macOS, the
+    NumPy evaluator elsewhere (hg.coreml_predict_fn), unless `predict` is given."""
+    meta = read_programs_meta(path)
+    cfg = hg.GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(hg.GPTConfig)})
+    label = f"Core ML programs {os.path.basename(path.rstrip('/'))}" + ('' if hg.ON_MAC else ' (NumPy evaluator)')
+    return hg.CoreMLEngine(cfg, meta['microbatch'], meta['seq_len'],
+                           predict or hg.coreml_predict_fn(path, meta['pieces']), meta['pieces'],
+                           scaler=scaler, holds_gil=holds_gil, label=label)
+
+
+def compiled_model(programs, piece, compile_fn=None):
+    """(path, cached): the program compiled (.mlmodelc) into programs/compiled/, once. The entry
+    is keyed by a hash of the package's files and of coremltools' and the OS's versions, so a
+    changed program is compiled again and an unchanged one is loaded as it is; an entry is
+    complete once it holds DONE (compiled into a temporary name, then renamed), so one a
+    crash left half-written is compiled again. compile_fn(package, dest): coremltools'."""
+    import hashlib
+    import platform
+    pkg = program_path(programs, piece)
+    h = hashlib.sha256(f"{hg.import_coremltools().__version__} {platform.platform()}".encode())
+    for root, dirs, files in sorted(os.walk(pkg)):
+        dirs.sort()
+        for name in sorted(files):
+            h.update(os.path.relpath(os.path.join(root, name), pkg).encode())
+            with open(os.path.join(root, name), 'rb') as f:
+                h.update(f.read())
+    cache = os.path.join(programs, 'compiled')
+    dest = os.path.join(cache, f'{piece}-{h.hexdigest()[:16]}.mlmodelc')
+    if os.path.isfile(os.path.join(dest, 'DONE')):
+        return dest, True
+    os.makedirs(cache, exist_ok=True)
+    for old in os.listdir(cache):  # this piece's entries for other versions, and half-written ones
+        if old.startswith(piece + '-'):
+            shutil.rmtree(os.path.join(cache, old), ignore_errors=True)
+    tmp = dest + f'.tmp{os.getpid()}'
+    (compile_fn or hg.import_coremltools().utils.compile_model)(pkg, tmp)
+    open(os.path.join(tmp, 'DONE'), 'w').close()
+    os.replace(tmp, dest)
+    return dest, False
+
+
+def load_compiled(programs, piece, load, compile_fn=None):
+    """load(path of the compiled program); a cached entry that fails to load is compiled again."""
+    path, cached = compiled_model(programs, piece, compile_fn)
+    try:
+        return load(path)
+    except Exception:
+        if not cached:
+            raise
+        shutil.rmtree(path, ignore_errors=True)
+        return load(compiled_model(programs, piece, compile_fn)[0])
 
 
 def load_coreml_program(path):
@@ -252,16 +380,31 @@ def numpy_predict(prog, ane=False):
     return predict
 
 
-def print_report(r):
-    print(f"ops: {r['ops']}  " + ', '.join(f'{k} {v}' for k, v in r['op_types'].items()))
-    print(f"FLOPs per call: {r['flops'] / 1e9:.3f} G total, {r['matmul_flops'] / 1e9:.3f} G in the derivation's "
-          f"matmuls, {r['sum_flops'] / 1e9:.3f} G in sums and means as matmuls (a constant vector)")
-    print(f"  analytic matmul count {r['analytic_matmul_flops'] / 1e9:.3f} G "
-          f"({100 * (r['matmul_flops'] / r['analytic_matmul_flops'] - 1):+.2f}%); 6*params*tokens + attention "
-          f"{r['estimate_flops'] / 1e9:.3f} G (total {100 * (r['flops'] / r['estimate_flops'] - 1):+.2f}%)")
-    print(f"bytes per call: {r['bytes_in'] / 2**20:.1f} MiB in, {r['bytes_out'] / 2**20:.1f} MiB out (fp16)")
-    print(f"largest tensor dimension: {r['largest_dim']} (ANE limit {hg.ANE_MAX_DIM}); highest rank {r['max_rank']} (limit 5)")
-    print("ops known to fall off the ANE: " + (', '.join(r['off_ane']) or 'none'))
+def numpy_programs(programs, pieces, ane=False):
+    """predict(piece, inputs) -> outputs: the saved programs in numpy_predict (off macOS)."""
+    fns = {p: numpy_predict(load_coreml_program(program_path(programs, p)), ane) for p in pieces}
+    return lambda piece, inputs: fns[piece](inputs)
+
+
+def print_report(reports, cfg, B, T):
+    """One line per program, then one microbatch of B sequences through all of them."""
+    print(f"{'program':<15}{'calls':>6}{'ops':>6}{'GFLOP':>9}{'MiB in':>9}{'MiB out':>9}{'MiB live':>10}"
+          f"{'largest dim':>13}  off the ANE")
+    st = step_report(reports, cfg, B, T)
+    for p, r in reports.items():
+        print(f"{p:<15}{st['calls'][p]:>6}{r['ops']:>6}{r['flops'] / 1e9:>9.2f}{r['bytes_in'] / 2**20:>9.1f}"
+              f"{r['bytes_out'] / 2**20:>9.1f}{r['live_bytes'] / 2**20:>10.1f}{r['largest_dim']:>13}  "
+              + (', '.join(r['off_ane']) or 'none'))
+    print(f"per microbatch of {B}x{T} tokens: {st['flops'] / 1e9:.1f} GFLOP, of which {st['matmul_flops'] / 1e9:.1f} "
+          f"in the derivation's matmuls and {st['sum_flops'] / 1e9:.2f} in sums as matmuls; "
+          f"{st['bytes_in'] / 2**20:.0f} MiB in, {st['bytes_out'] / 2**20:.0f} MiB out (fp16)")
+    print(f"  analytic matmul count {st['analytic_matmul_flops'] / 1e9:.1f} GFLOP: ratio "
+          f"{st['matmul_flops'] / st['analytic_matmul_flops']:.3f}" + (
+              " (the block backward recomputes its forward)" if 'block_backward' in reports else '')
+          + f"; 6*params*tokens + attention {st['estimate_flops'] / 1e9:.1f} GFLOP (ratio of all FLOPs "
+          f"{st['flops'] / st['estimate_flops']:.3f})")
+    print(f"largest live memory {st['live_bytes'] / 2**20:.0f} MiB (ANE limit ~{hg.ANE_MEMORY / 2**30:.2f} GiB); "
+          f"largest dimension {st['largest_dim']} (ANE limit {hg.ANE_MAX_DIM})")
 
 
 def check_gradients(engine, cfg, B, T, seed=0):
@@ -285,12 +428,11 @@ def check_gradients(engine, cfg, B, T, seed=0):
     return cos[worst] if finite else float('nan')
 
 
-def macos_compute_plan(path):
-    """macOS 14.4+: where Core ML placed each op, and its estimated share of the cost."""
+def macos_compute_plan(compiled, piece):
+    """macOS 14.4+: where Core ML placed each op of a compiled program, and its estimated share of the cost."""
     ct = hg.import_coremltools()
     from coremltools.models.compute_plan import MLComputePlan
-    m = ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE)
-    plan = MLComputePlan.load_from_path(path=m.get_compiled_model_path(), compute_units=ct.ComputeUnit.CPU_AND_NE)
+    plan = MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
     share, elsewhere = collections.Counter(), collections.Counter()
     for op in plan.model_structure.program.functions['main'].block.operations:
         if op.operator_name == 'const':
@@ -305,7 +447,7 @@ def macos_compute_plan(path):
             elsewhere[op.operator_name, dev] += 1
     for what in ('ops', 'cost'):
         total = share[what, True] + share[what, False]
-        print(f"share of {what} on the Neural Engine: {100 * share[what, True] / max(total, 1e-12):.1f}%")
+        print(f"{piece}: share of {what} on the Neural Engine: {100 * share[what, True] / max(total, 1e-12):.1f}%")
     for (name, dev), n in elsewhere.most_common():
         print(f"  not on the ANE: {name} x{n} -> {dev}")
 
@@ -313,32 +455,33 @@ def macos_compute_plan(path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     settings.add_flags(p, hg.GPTConfig)  # the model's flags, as hetero_gpt.py's
-    p.add_argument('--microbatch', type=int, default=4, help="sequences per call (B)")
+    p.add_argument('--microbatch', type=int, default=hg.ANE_BATCH, help="sequences per call (B; the trainer's --ane_batch_size)")
     p.add_argument('--seq_len', type=int, default=0, help="tokens per sequence (T; default block_size)")
-    p.add_argument('--out', default='ane.mlpackage', help="where to save the .mlpackage")
+    p.add_argument('--out', default='ane_programs', help="the folder to save the programs in")
+    p.add_argument('--whole_step', action='store_true', help="the whole step as one program, to compare")
     p.add_argument('--check', action='store_true', help="compare gradients with autograd (and, on macOS, the compute plan)")
-    p.add_argument('--check_calls', type=int, default=5, help="timed predict calls with --check on macOS")
+    p.add_argument('--check_calls', type=int, default=5, help="timed calls with --check on macOS")
     a = p.parse_args(argv)
     try:
         cfg = hg.GPTConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(hg.GPTConfig)})
         B, T = a.microbatch, a.seq_len or a.block_size
         t0 = time.perf_counter()
-        export_coreml(cfg, B, T, a.out)
-        print(f"saved {a.out} ({cfg}, microbatch {B}x{T}) in {time.perf_counter() - t0:.1f} s")
-        print_report(program_report(load_coreml_program(a.out), cfg, B, T))
+        reports = export_programs(cfg, B, T, a.out, a.whole_step)
+        print(f"saved {a.out} ({cfg}, {B}x{T} tokens a call) in {time.perf_counter() - t0:.1f} s")
+        print_report(reports, cfg, B, T)
         if a.check:
-            engine = hg.CoreMLEngine(a.out, config=cfg, microbatch=(B, T),
-                                     scaler=hg.LossScaler(hg.Config.ane_loss_scale, 0))
+            engine = open_programs(a.out, scaler=hg.LossScaler(hg.Config.ane_loss_scale, 0))
             print(f"checking through {engine.label}")
             worst = check_gradients(engine, cfg, B, T)
             if hg.ON_MAC:
-                macos_compute_plan(a.out)
+                for piece in engine.pieces:
+                    macos_compute_plan(compiled_model(a.out, piece)[0], piece)
                 times = []
                 for _ in range(a.check_calls):
                     t0 = time.perf_counter()
                     engine.loss_and_grads(*(torch.randint(0, cfg.vocab_size, (B, T)) for _ in range(2)))
                     times.append(time.perf_counter() - t0)
-                print(f"predict + host work: median {1e3 * sorted(times)[len(times) // 2]:.1f} ms per call "
+                print(f"programs + host work: median {1e3 * sorted(times)[len(times) // 2]:.1f} ms per call "
                       f"({B * T / sorted(times)[len(times) // 2]:.0f} tokens/s)")
             if not worst >= 0.999:
                 print("gradient check FAILED (worst cosine below 0.999)")

@@ -47,6 +47,8 @@ from settings import UserError, parse_args, resolve_device, resolve_dtype  # noq
 
 ON_MAC = sys.platform == 'darwin'
 ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (ANE_NOTES section 2)
+ANE_MEMORY = 3.75 * 2**30  # the ANE's address space on M1-class chips: a program past it runs on the CPU
+ANE_BATCH = 4  # the ANE's default sequences per call: its programs' live memory well inside ANE_MEMORY
 # The ANE's fp16 does not overflow to inf: matmul outputs go wrong near 32752 = 2^15 - 16 and
 # inf does not propagate (ANE_NOTES section 2). So an output within 2x of that, 2^14 or more,
 # is an overflow; the loss scale grows only while its outputs would stay below half of this.
@@ -111,7 +113,12 @@ class Config(GPTConfig):
     ane_device: str = opt('auto', "off macOS, device of the eager stand-in for the ANE (auto: the GPU engine's)")
     ane_dtype: str = opt('float16', "off macOS, precision of the eager stand-in (float16 = the ANE's)")
     ane_fraction: str = opt('auto', "share of microbatches for the ANE: a number in [0,1] or auto (rebalance)")
-    ane_package: str = opt('', "Core ML package for the ANE (default: out_dir/ane_B{batch}_T{block}.mlpackage)")
+    ane_batch_size: int = opt(0, "sequences per ANE call; a divisor of batch_size (0: the largest up to 4)")
+    ane_programs: str = opt('', "folder of the ANE's Core ML programs (default: out_dir/ane_B{ane_batch}_T{block})")
+    ane_worker: bool = opt(True, "run the ANE engine in a worker process (on macOS; off it, when it is on the CPU)")
+    ane_evaluator: str = opt('eager', "off macOS, what runs the ANE's programs: eager (the derivation in "
+                                      "PyTorch) or numpy (the exported programs, op by op: slow)")
+    ane_load_timeout: float = opt(3600.0, "seconds the ANE worker may take to start and compile its programs")
     loss_scale: float = opt(1024.0, "GPU engine's initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
     ane_loss_scale: float = opt(256.0, "ANE engine's initial loss scale (256: what published ANE training used); "
                                        "dynamic as loss_scale, but grows only while its outputs stay far from fp16's range")
@@ -456,31 +463,38 @@ class Derivation:
             dx = dxc if dx is None else dx + dxc
         return dx - w_tgt * seed, dws, x * (-1.0) * seed
 
+    # ---- the final layernorm, the tied LM head and the loss, forward and backward
+    def head_step(self, cfg, B, T, inp):
+        """inp: x (N, C), the last block's output; lnf_w, lnf_b; the vocabulary chunks wte_j;
+        the target rows wte_tgt; loss_scale. Returns (loss, grads), grads by those names."""
+        rows, spans = vocab_chunks(cfg.vocab_size)
+        chunks = [inp[f'wte_{j}'] for j in range(len(spans))]
+        head_fwd, head_bwd = map(self.fused, (self.lm_head_forward, self.lm_head_backward))
+        xf, lnf = self.layernorm_forward(inp['x'], inp['lnf_w'], inp.get('lnf_b'))
+        loss, head = head_fwd(xf, chunks, inp['wte_tgt'], B * T, pad=len(spans) * rows - cfg.vocab_size)
+        grads = {}
+        dxf, dws, grads['wte_tgt'] = head_bwd(chunks, inp['wte_tgt'], head, inp['loss_scale'] * (1.0 / (B * T)))
+        grads.update({f'wte_{j}': dw for j, dw in enumerate(dws)})
+        grads['x'], grads['lnf_w'], dlnf_b = self.layernorm_backward(dxf, inp['lnf_w'], lnf)
+        if 'lnf_b' in inp:
+            grads['lnf_b'] = dlnf_b
+        return loss, grads
+
     # ---- the whole dense step
     def dense_step(self, cfg, B, T, inp):
         """Forward, loss and backward of GPT-2 between the embedding lookup and the target
         pick. inp: dense inputs by name (dense_input_shapes). Returns (loss, grads), grads
         by the same names; loss is the true mean loss, grads are multiplied by
         inp['loss_scale'] (so fp16 weight gradients do not flush to zero)."""
-        N, H, L = B * T, cfg.n_head, cfg.n_layer
+        H, L = cfg.n_head, cfg.n_layer
         blocks = [{k: inp[f'h{l}_{k}'] for k in BLOCK_PARAMS if f'h{l}_{k}' in inp} for l in range(L)]
-        rows, spans = vocab_chunks(cfg.vocab_size)
-        chunks = [inp[f'wte_{j}'] for j in range(len(spans))]
-        block_fwd, block_bwd, head_fwd, head_bwd = map(self.fused, (
-            self.block_forward, self.block_backward, self.lm_head_forward, self.lm_head_backward))
+        block_fwd, block_bwd = map(self.fused, (self.block_forward, self.block_backward))
         x, caches = inp['x0'], []
         for l in range(L):
             x, c = block_fwd(x, blocks[l], B, T, H)
             caches.append(c)
-        xf, lnf = self.layernorm_forward(x, inp['lnf_w'], inp.get('lnf_b'))
-        loss, head = head_fwd(xf, chunks, inp['wte_tgt'], N, pad=len(spans) * rows - cfg.vocab_size)
-        # ---- backward: the same calls in reverse
-        grads = {}
-        dxf, dws, grads['wte_tgt'] = head_bwd(chunks, inp['wte_tgt'], head, inp['loss_scale'] * (1.0 / N))
-        grads.update({f'wte_{j}': dw for j, dw in enumerate(dws)})
-        dx, grads['lnf_w'], dlnf_b = self.layernorm_backward(dxf, inp['lnf_w'], lnf)
-        if 'lnf_b' in inp:
-            grads['lnf_b'] = dlnf_b
+        loss, grads = self.head_step(cfg, B, T, inp | {'x': x})
+        dx = grads.pop('x')  # ---- backward through the blocks: their calls in reverse
         for l in reversed(range(L)):
             dx, d = block_bwd(dx, blocks[l], caches[l], B, T, H)
             grads.update({f'h{l}_{k}': v for k, v in d.items()})
@@ -637,13 +651,26 @@ def grads_finite(grads):
     return bool(torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all())
 
 # -----------------------------------------------------------------------------
-# 4. The Core ML program: the same dense_step, recorded by coremltools' MIL builder.
+# 4. The Core ML programs: the same derivation, recorded by coremltools' MIL builder.
 #
 # MILOps provides the primitive ops, but each call adds an op to a MIL program instead of
-# computing. The result is one ML Program that takes the weights and one microbatch's
-# dense inputs (fp16) and returns the loss and every gradient (fp16). Weights are inputs,
-# not constants, so one compiled program serves every step. Opset macOS13: the first
-# with fp16 inputs and outputs, so no fp32<->fp16 casts at the program's edges.
+# computing. A whole-model program (~1,800 ops for GPT-2 124M) takes the ANE compiler tens of
+# minutes or fails, where one block compiles in about a second (ANE_NOTES section 1). So the
+# dense step is cut into three programs, chained by the host (CoreMLEngine); the blocks share
+# shapes, so each program is compiled once and serves every layer, its weights as inputs:
+#   block_forward   x, the block's weights                -> y                 (L calls)
+#   head            x_L, ln_f, vocabulary chunks, target rows, loss scale
+#                                                          -> loss, d_x, d_<its weights>
+#   block_backward  x, dy, the block's weights            -> d_x, d_<weights>   (L calls)
+# block_backward recomputes its block's forward from x instead of receiving the forward's
+# cache through the host. For GPT-2 124M (python export_ane.py) that costs 18 GFLOP per block
+# and sequence, 1/3 more of the block's FLOPs, and saves a cache of 22M values per block and
+# sequence (12 N C activations + H T^2 probabilities): 44 MB in fp16 that predict would hand
+# back as 88 MB of fp32 and take in again, converting and copying over the memory the GPU
+# trains from (ANE_NOTES section 1), with all L caches held on the host meanwhile.
+# Opset macOS13: fp16 inputs and outputs, no casts at the edges. 'step', the whole dense step
+# as one program, can still be exported (export_ane.py --whole_step), to compare.
+ANE_PIECES = ('block_forward', 'head', 'block_backward')
 
 
 class MILTensor:
@@ -743,24 +770,6 @@ def import_coremltools():
     return coremltools
 
 
-def build_coreml_program(cfg, B, T):
-    """dense_step(MILOps) as a MIL Program: inputs dense_input_shapes(cfg, B, T) in fp16,
-    outputs 'loss' (1, 1) and 'd_<input>' for every input but loss_scale."""
-    ct = import_coremltools()
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import Function, Program, types
-    check_ane_shapes(cfg, B, T)
-    shapes = dense_input_shapes(cfg, B, T)
-    placeholders = {k: mb.placeholder(shape=s, dtype=types.fp16) for k, s in shapes.items()}
-    with Function(placeholders, opset_version=ct.target.macOS13) as fn:
-        loss, grads = MILOps().dense_step(cfg, B, T, {k: MILTensor(v) for k, v in fn.inputs.items()})
-        fn.set_outputs([mb.identity(x=loss.v, name='loss')] +
-                       [mb.identity(x=grads[k].v, name='d_' + k) for k in shapes if k != 'loss_scale'])
-    prog = Program()
-    prog.add_function('main', fn)
-    return prog
-
-
 def check_ane_shapes(cfg, B, T):
     if B < 1 or T < 1:
         raise UserError(f"microbatch {B}x{T} (--microbatch x --seq_len): both must be at least 1")
@@ -771,21 +780,71 @@ def check_ane_shapes(cfg, B, T):
         raise UserError(f"sequence length {T} is longer than block_size {cfg.block_size}")
 
 
-def coreml_predict_fn(path):
-    """THE macOS SEAM: Core ML's predict on CPU + Neural Engine. Everything else in this
-    file runs anywhere. Off macOS we evaluate the saved program in NumPy instead."""
-    if ON_MAC:
-        ct = import_coremltools()
-        return ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE).predict
+def piece_input_shapes(cfg, B, T, piece):
+    """Name -> shape of each input of a program: one of ANE_PIECES, or 'step'."""
+    shapes = dense_input_shapes(cfg, B, T)
+    if piece == 'step':
+        return shapes
+    x = {'x': (B * T, cfg.n_embd)}
+    if piece == 'head':
+        return x | {k: v for k, v in shapes.items() if k.startswith(('lnf_', 'wte_')) or k == 'loss_scale'}
+    dy = {'dy': x['x']} if piece == 'block_backward' else {}
+    return x | dy | {k: shapes[f'h0_{k}'] for k in BLOCK_PARAMS if f'h0_{k}' in shapes}
+
+
+def run_piece(o, cfg, B, T, piece, inp):
+    """A program's outputs by name from its inputs, on backend o: what MILOps records as the
+    program is what TorchOps runs as its stand-in. The gradient of input k is 'd_' + k."""
+    if piece == 'step':
+        loss, g = o.dense_step(cfg, B, T, inp)
+    elif piece == 'head':
+        loss, g = o.head_step(cfg, B, T, inp)
+    else:
+        p = {k: inp[k] for k in BLOCK_PARAMS if k in inp}
+        y, cache = o.block_forward(inp['x'], p, B, T, cfg.n_head)
+        if piece == 'block_forward':
+            return {'y': y}
+        dx, g = o.block_backward(inp['dy'], p, cache, B, T, cfg.n_head)
+        return {'d_x': dx} | {'d_' + k: v for k, v in g.items()}
+    return {'loss': loss} | {'d_' + k: v for k, v in g.items()}
+
+
+def build_coreml_program(cfg, B, T, piece='step'):
+    """run_piece(MILOps) as a MIL Program: fp16 inputs piece_input_shapes(cfg, B, T, piece),
+    fp16 outputs by run_piece's names."""
+    ct = import_coremltools()
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import Function, Program, types
+    check_ane_shapes(cfg, B, T)
+    shapes = piece_input_shapes(cfg, B, T, piece)
+    placeholders = {k: mb.placeholder(shape=s, dtype=types.fp16) for k, s in shapes.items()}
+    with Function(placeholders, opset_version=ct.target.macOS13) as fn:
+        out = run_piece(MILOps(), cfg, B, T, piece, {k: MILTensor(v) for k, v in fn.inputs.items()})
+        fn.set_outputs([mb.identity(x=v.v, name=k) for k, v in out.items()])
+    prog = Program()
+    prog.add_function('main', fn)
+    return prog
+
+
+def coreml_predict_fn(programs, pieces):
+    """THE macOS SEAM: predict(piece, inputs) -> outputs, by Core ML on CPU + Neural Engine,
+    each program compiled once into a cache beside it (export_ane.compiled_model: loading an
+    .mlpackage would compile it again at every start, ANE_NOTES section 1). Everything else in
+    this file runs anywhere; off macOS the saved programs run in the NumPy evaluator."""
     import export_ane
-    return export_ane.numpy_predict(export_ane.load_coreml_program(path))
+    if not ON_MAC:
+        return export_ane.numpy_programs(programs, pieces)
+    ct = import_coremltools()
+    models = {p: export_ane.load_compiled(programs, p, lambda path: ct.models.CompiledMLModel(
+        path, compute_units=ct.ComputeUnit.CPU_AND_NE)) for p in pieces}
+    return lambda piece, inputs: models[piece].predict(inputs)
 
 
 def device_synchronize(device):
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
-    elif device.type == 'mps':
-        torch.mps.synchronize()
+    elif device.type == 'mps':  # torch.mps.synchronize() holds the GIL while it waits (ANE_NOTES
+        torch.ones((), device=device).item()  # section 1); .item() waits for MPS's one queue without it
 
 
 class Engine:
@@ -808,41 +867,46 @@ class Engine:
 
 
 class CoreMLEngine(Engine):
-    """The ANE engine: the saved Core ML program, fed by the host's sparse work."""
+    """The ANE engine: the Core ML programs, chained by the host around its sparse work.
+    predict(piece, inputs) -> outputs runs one program (Core ML on macOS: coreml_predict_fn;
+    elsewhere the NumPy evaluator or the eager stand-in), and is the one function a test or
+    another evaluator replaces. Its microbatch B is its own: a call takes any multiple of B
+    sequences and runs them B at a time. It runs in the training process (holds_gil, on a
+    Mac), or in a worker process of its own (ane_worker.py)."""
     name = 'ane'
     device = torch.device('cpu')
 
-    def __init__(self, path, predict=None, config=None, microbatch=None, scaler=None):
-        import export_ane  # saving and reading packages lives there
-        meta = export_ane.read_package_meta(path)
-        self.path, self.B, self.T = path, meta['microbatch'], meta['seq_len']
-        self.cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
-        self.check(config, microbatch)
-        self.predict = predict or coreml_predict_fn(path)
-        self.holds_gil = predict is None and ON_MAC  # Core ML's predict does (ANE_NOTES section 1)
+    def __init__(self, cfg, B, T, predict, pieces=ANE_PIECES, scaler=None, holds_gil=False, label='Core ML'):
+        check_ane_shapes(cfg, B, T)
+        self.cfg, self.B, self.T, self.predict, self.pieces = cfg, B, T, predict, tuple(pieces)
         self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
-        # Persistent fp32 input buffers: coremltools wraps fp32 arrays without a copy but makes
-        # a new fp32 array of every fp16 one, and Core ML frees its inputs late, on its own
-        # queue (ANE_NOTES section 1; coremltools PRs #2827, #2829): these are never freed.
-        self.inputs = {k: np.zeros(s, np.float32) for k, s in dense_input_shapes(self.cfg, self.B, self.T).items()}
-        self.checked = False
-        self.label = f"Core ML program {os.path.basename(path)}" + ('' if ON_MAC else ' (NumPy evaluator)')
+        self.holds_gil, self.label, self.checked = holds_gil, label, False
+        # Persistent fp32 buffers, made once: coremltools wraps fp32 arrays without a copy but
+        # makes a new fp32 array of every fp16 one, and Core ML frees its inputs late, on its
+        # own queue (ANE_NOTES section 1; coremltools PRs #2827, #2829): these are never freed.
+        N, C, L = B * T, cfg.n_embd, cfg.n_layer
+        self.inputs = {k: np.zeros(s, np.float32) for k, s in dense_input_shapes(cfg, B, T).items()}
+        self.xs = [self.inputs['x0']] + [np.zeros((N, C), np.float32) for _ in range(L)]  # each block's input
+        self.dy = np.zeros((N, C), np.float32)
+        self.head = {k: self.inputs[k] for k in piece_input_shapes(cfg, B, T, 'head') if k != 'x'}
+        self.blocks = [{k: self.inputs[f'h{l}_{k}'] for k in piece_input_shapes(cfg, B, T, 'block_forward')
+                        if k != 'x'} for l in range(L)]
 
     def check(self, config=None, microbatch=None):
-        """Refuses a model configuration or microbatch shape other than the exported one."""
+        """Refuses another model configuration, or a microbatch the programs cannot run."""
         c, (b, t) = config or self.cfg, tuple(microbatch or (self.B, self.T))
-        if (c, b, t) != (self.cfg, self.B, self.T):
-            raise UserError(f"{self.path} was exported for {self.cfg} and microbatch {self.B}x{self.T}, not {c} "
-                            f"and {b}x{t}: re-export with `python export_ane.py {c.flags()} --microbatch {b} "
-                            f"--seq_len {t} --out {self.path}`")
+        if c != self.cfg or t != self.T or b % self.B:
+            raise UserError(f"the ANE programs were made for {self.cfg} and {self.B}x{self.T}-token calls; they "
+                            f"cannot run {c} on {b}x{t}: export them for it with `python export_ane.py {c.flags()} "
+                            f"--microbatch B --seq_len {t}`, B dividing {b}")
 
     def load_weights(self, params):
         # once per step, into the persistent buffers
         if not self.checked:  # first call: are these the weights of the exported model?
             if {k: tuple(p.shape) for k, p in params.items()} != {
                     k: tuple(p.shape) for k, p in GPT_param_shapes(self.cfg).items()}:
-                raise UserError(f"{self.path} was exported for another model ({self.cfg}): re-export it with "
-                                "export_ane.py for this one")
+                raise UserError(f"the ANE programs were exported for another model ({self.cfg}): re-export "
+                                "them with export_ane.py for this one")
             self.checked = True
         for k, v in host_weights({k: p.detach() for k, p in params.items()}, self.cfg).items():
             np.copyto(self.inputs[k], v.float().cpu().numpy())
@@ -850,19 +914,53 @@ class CoreMLEngine(Engine):
         self.wpe = params['transformer.wpe.weight'].detach().float().cpu()
 
     def loss_and_grads(self, idx, targets):
-        if tuple(idx.shape) != (self.B, self.T):
-            self.check(microbatch=tuple(idx.shape))
-        idx, targets = idx.cpu(), targets.cpu()
+        b, t = idx.shape
+        if t != self.T or b % self.B:
+            self.check(microbatch=(b, t))
+        idx, targets, loss, grads = idx.cpu(), targets.cpu(), 0.0, None
+        for i in range(0, b, self.B):  # the mean of equal-sized means is the mean
+            l, g = self._call(idx[i:i + self.B], targets[i:i + self.B])
+            loss += l
+            if grads is None:
+                grads = g
+            else:
+                torch._foreach_add_(list(grads.values()), list(g.values()))
+        if b > self.B:
+            torch._foreach_div_(list(grads.values()), float(b // self.B))
+        return torch.tensor(loss / (b // self.B)), grads
+
+    def _call(self, idx, targets):
+        """One chain of programs on B sequences: (loss, unscaled gradients by nanoGPT name)."""
         for k, v in host_batch(self.wte, self.wpe, self.cfg, idx, targets, self.scaler.scale).items():
             np.copyto(self.inputs[k], v.numpy())
-        out = {k: np.asarray(v, np.float32) for k, v in self.predict(self.inputs).items()}
-        peak = float(np.max([np.abs(v).max() for v in out.values()]))  # largest |output|; nan if any is nan
+        peaks = []
+
+        def run(piece, inputs):  # one program; the largest |value| of each output noted
+            out = self.predict(piece, inputs)
+            peaks.extend(float(np.max(np.abs(v))) for v in out.values())
+            return out
+        out = run('step', self.inputs) if self.pieces == ('step',) else self._chain(run)
+        peak = float(np.max(peaks))  # nan if any output holds a nan
         self.scaler.peak = max(self.scaler.peak, peak)
-        g = {k[2:]: torch.from_numpy(v) for k, v in out.items() if k.startswith('d_')}
-        # an overflow (by magnitude: ANE_OVERFLOW) makes the loss inf, so the step drops this
-        # engine's gradients and lowers its loss scale as for any non-finite result
-        loss = torch.tensor(float(out['loss'].reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf)
+        g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in out.items() if k.startswith('d_')}
+        # An overflow, told by magnitude (ANE_OVERFLOW) in any program's output, activations
+        # included, makes the loss inf: the step drops these gradients and lowers the loss scale
+        loss = float(np.asarray(out['loss']).reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
+
+    def _chain(self, run):
+        """Forward through the blocks, keeping each one's input; the head; backward through the
+        blocks, each recomputing its forward from its input: 2L + 1 calls of three programs."""
+        L = self.cfg.n_layer
+        for l in range(L):
+            np.copyto(self.xs[l + 1], run('block_forward', {'x': self.xs[l]} | self.blocks[l])['y'])
+        out = run('head', {'x': self.xs[L]} | self.head)
+        np.copyto(self.dy, out.pop('d_x'))
+        for l in reversed(range(L)):
+            d = run('block_backward', {'x': self.xs[l], 'dy': self.dy} | self.blocks[l])
+            np.copyto(self.dy, d.pop('d_x'))
+            out |= {f'd_h{l}_{k[2:]}': v for k, v in d.items()}
+        return out | {'d_x0': self.dy}
 
 
 # -----------------------------------------------------------------------------
@@ -1242,15 +1340,24 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         ane_dtype = torch.float16 if ON_MAC else resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
         scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=ane_dtype == torch.float16,
                             limit=ANE_OVERFLOW / 2)
-        if ON_MAC:
+        if cfg.ane_worker and (ON_MAC or ane_dev.type == 'cpu'):  # out of this process's GIL
+            import ane_worker
+            threads = max(1, CPU_THREADS // 2 if device.type == 'cpu' else CPU_THREADS - 1)
+            if device.type == 'cpu':  # the two processes share the cores
+                torch.set_num_threads(max(1, CPU_THREADS - threads))
+            engines['ane'] = ane_worker.WorkerEngine(ane_worker.worker_spec(cfg, ane_dtype, threads, log), scaler,
+                                                     log, load_timeout=cfg.ane_load_timeout)
+        elif ON_MAC or cfg.ane_evaluator == 'numpy':  # the programs in this process (on a Mac: GIL-bound)
             import export_ane
-            engines['ane'] = CoreMLEngine(export_ane.ensure_package(cfg, log), config=model.config, scaler=scaler)
+            engines['ane'] = export_ane.open_programs(export_ane.ensure_programs(cfg, log), scaler=scaler,
+                                                      holds_gil=ON_MAC)
         else:
             engines['ane'] = eager_engine_class(cfg, ane_dev)(model.config, ane_dev, ane_dtype, scaler, cfg.compile)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
                 # the CPU engine would take every core; leave one to the thread that feeds the
                 # GPU, whose kernel launches would otherwise wait behind the CPU's math
                 torch.set_num_threads(max(1, CPU_THREADS - 1))
+        if not ON_MAC:
             log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
     return engines
 

@@ -20,9 +20,9 @@ class UserError(Exception):
 
 # What each numeric setting allows: setup() checks them all, before anything is written.
 LIMITS = (('> 0', lambda v: 0 < v < math.inf, 'batch_size gradient_accumulation_steps eval_interval log_interval '
-                                              'scale_window loss_scale ane_loss_scale dist_timeout'),
+                                              'scale_window loss_scale ane_loss_scale dist_timeout ane_load_timeout'),
           ('>= 0', lambda v: 0 <= v < math.inf, 'max_iters warmup_iters eval_iters sample_tokens seed max_bad_steps '
-                                                'learning_rate min_lr weight_decay grad_clip eval_seconds'),
+                                                'learning_rate min_lr weight_decay grad_clip eval_seconds ane_batch_size'),
           ('in [0, 1)', lambda v: 0 <= v < 1, 'beta1 beta2'))
 
 
@@ -120,6 +120,11 @@ def check(cfg, given, log=print):
             if not ok(getattr(cfg, k)):
                 raise UserError(f"--{k} {getattr(cfg, k)}: must be a finite number {allowed}")
     hg.model_config(cfg)  # raises if a size is < 1 or n_embd % n_head
+    if cfg.ane_batch_size and cfg.batch_size % cfg.ane_batch_size:
+        raise UserError(f"--ane_batch_size {cfg.ane_batch_size} must divide --batch_size {cfg.batch_size}: the ANE "
+                        "engine runs each microbatch in calls of that many sequences")
+    if cfg.ane_evaluator not in ('eager', 'numpy'):
+        raise UserError(f"--ane_evaluator {cfg.ane_evaluator!r}: use eager or numpy")
     if cfg.gradient_accumulation_steps < int(os.environ.get('WORLD_SIZE', 1)):  # under torchrun
         raise UserError(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} counts all ranks' "
                         f"microbatches: use {os.environ['WORLD_SIZE']} or more")
@@ -130,9 +135,16 @@ def check(cfg, given, log=print):
     gpu16 = dtype == torch.float16 and cfg.mode != 'ane'  # which engines scale their loss
     ane16 = cfg.mode != 'gpu' and (hg.ON_MAC or ane_dtype == torch.float16)
     fp16 = gpu16 or ane16
-    moot = dict(ane_package=not hg.ON_MAC or cfg.mode == 'gpu', ane_fraction=cfg.mode != 'hetero', loss_scale=not gpu16,
-                ane_loss_scale=not ane16, scale_window=not fp16, compile=hg.ON_MAC and cfg.mode == 'ane')
-    moot |= dict.fromkeys(('ane_device', 'ane_dtype', 'fused_kernels'), hg.ON_MAC or cfg.mode == 'gpu')
+    ane_dev = device if cfg.ane_device == 'auto' or hg.ON_MAC else torch.device(cfg.ane_device)
+    worker = cfg.ane_worker and (hg.ON_MAC or ane_dev.type == 'cpu')  # as build_engines decides
+    programs = cfg.mode != 'gpu' and (hg.ON_MAC or cfg.ane_evaluator == 'numpy')  # exported programs
+    eager_here = cfg.mode != 'gpu' and not hg.ON_MAC and not worker and cfg.ane_evaluator == 'eager'
+    moot = dict(ane_programs=not programs, ane_batch_size=cfg.mode == 'gpu' or eager_here,
+                ane_fraction=cfg.mode != 'hetero', loss_scale=not gpu16, ane_loss_scale=not ane16,
+                scale_window=not fp16, compile=(hg.ON_MAC or worker) and cfg.mode == 'ane',
+                ane_worker=cfg.mode == 'gpu', ane_load_timeout=not (cfg.mode != 'gpu' and worker),
+                ane_evaluator=hg.ON_MAC or cfg.mode == 'gpu', fused_kernels=not eager_here)
+    moot |= dict.fromkeys(('ane_device', 'ane_dtype'), hg.ON_MAC or cfg.mode == 'gpu')
     if unused := [f'--{k}' for k in moot if moot[k] and k in given]:
         log(f"not used by this run (mode {cfg.mode}{', macOS' if hg.ON_MAC else ''}{'' if fp16 else ', no fp16 engine'}): "
             + ', '.join(unused))

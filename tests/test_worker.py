@@ -1,0 +1,143 @@
+"""The ANE engine in its worker process (ane_worker.py): the process boundary, the shared
+buffers, the timeouts and every fault path, with stand-ins for Core ML (tests/worker_faults.py)."""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import ane_worker
+import hetero_gpt as hg
+
+CFG = hg.GPTConfig(block_size=16, vocab_size=300, n_layer=2, n_head=2, n_embd=32)
+B, T = 4, 16  # the GPU's microbatch; the worker runs it in calls of 2 sequences
+
+
+def spec(**kw):
+    return dict(cfg=dataclasses.asdict(CFG), B=2, T=T, max_batch=B, evaluator='eager', dtype='float32',
+                threads=1, programs=None) | kw
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(0, CFG.vocab_size, (B, T), generator=g) for _ in range(2)) for _ in range(n)]
+
+
+@pytest.fixture
+def worker():
+    made = []
+
+    def start(scaler=None, **kw):
+        timeouts = {k: kw.pop(k) for k in ('timeout_factor', 'min_timeout') if k in kw}
+        made.append(ane_worker.WorkerEngine(spec(**kw), scaler or hg.LossScaler(1.0, 0, enabled=False),
+                                            log=lambda s: None, load_timeout=120, **timeouts))
+        return made[-1]
+    yield start
+    for w in made:
+        w.close()
+
+
+def test_worker_computes_what_the_engine_computes_here(worker):
+    # The same chain of programs (the eager stand-in, fp32) in the worker and in this
+    # process: the same arithmetic on the same inputs, so equal to fp32 rounding (the
+    # worker's thread count may order a sum otherwise: 1e-5 relative); and both against
+    # fp64 autograd by direction (cosine >= 0.9999: fp32).
+    torch.manual_seed(0)
+    model = hg.GPT(CFG)
+    params = dict(model.named_parameters())
+    w = worker()
+    here = hg.CoreMLEngine(CFG, 2, T, ane_worker.eager_predict(CFG, 2, T, torch.float32))
+    (idx, targets), = batches(1)
+    for e in (w, here):
+        e.load_weights(params)
+    (lw, gw), (lh, gh) = w.loss_and_grads(idx, targets), here.loss_and_grads(idx, targets)
+    assert abs(lw.item() - lh.item()) <= 1e-5 * lh.item()
+    ref = hg.GPT(CFG).double()
+    ref.load_state_dict(model.state_dict())
+    ref(idx, targets)[1].backward()
+    for k, p in ref.named_parameters():
+        assert torch.allclose(gw[k], gh[k], rtol=1e-5, atol=1e-5 * gh[k].abs().max().item()), k
+        assert torch.nn.functional.cosine_similarity(gw[k].double().flatten(), p.grad.flatten(), dim=0) >= 0.9999, k
+    gw['transformer.wte.weight'].zero_()  # the caller's own tensors, not views of the shared memory
+    assert w.bufs.g['transformer.wte.weight'].any()
+
+
+def test_weights_are_sent_once_per_step(worker, monkeypatch):
+    w = worker()
+    model = hg.GPT(CFG)
+    w.load_weights(dict(model.named_parameters()))
+    sent = []
+    real = w.conn.send
+    monkeypatch.setattr(w.conn, 'send', lambda m: (sent.append(m), real(m)))
+    for idx, targets in batches(2):
+        w.loss_and_grads(idx, targets)
+    assert [m[3] for m in sent] == [True, False]  # one exchange per microbatch, new weights at the first
+    with pytest.raises(hg.UserError, match='another model'):
+        w.load_weights(dict(hg.GPT(dataclasses.replace(CFG, n_embd=16)).named_parameters()))
+
+
+@pytest.mark.parametrize('fault,said', [('sigkill', 'killed by SIGKILL'), ('hang', 'did not finish'),
+                                        ('raises', "raised while computing 4 sequences: RuntimeError: an evaluator's")])
+def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
+    # Step 1 runs on both engines. In step 2 the worker faults at its first program call
+    # (the 1st of 2L+1 = 5 per call of 2 sequences, 2 calls per microbatch: call 21). The
+    # ANE engine is retired with a message that says what happened, the GPU engine runs the
+    # ANE's share too, and the update is the one a GPU-only step over the same 4
+    # microbatches makes: the same gradient to fp32 rounding of a sum in another order.
+    torch.manual_seed(0)
+    model = hg.GPT(CFG)
+    w = worker(predict=f'worker_faults:{fault}', fault_call=2 * 5 * 2 + 1, min_timeout=3, timeout_factor=1)
+    said_log = []
+    engines = {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32), 'ane': w}
+    step = hg.HeteroStep(model, engines, hg.Split(4, '0.5'), log=said_log.append,
+                         optimizer=torch.optim.AdamW(model.parameters()))
+    mb = batches(2 * 4)
+    assert step(mb[:4])['used'] == ['ane', 'gpu']
+    step.optimizer.zero_grad()
+    ref = hg.GPT(CFG)
+    ref.load_state_dict(model.state_dict())
+    out = step(mb[4:])
+    assert out['used'] == ['gpu'] and out['n'] == 4 and step.alive == {'gpu'}
+    assert len(said_log) == 1 and said in said_log[0] and 'export_ane.py --check' in said_log[0], said_log
+    for idx, targets in mb[4:]:
+        (ref(idx, targets)[1] / 4).backward()
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), k
+    assert w.proc is None and w.bufs is None  # stopped, its shared memory freed
+
+
+def test_worker_that_cannot_start_is_one_clear_error(worker):
+    with pytest.raises(hg.UserError, match='could not start.*no Neural Engine here.*--mode gpu'):
+        worker(predict='worker_faults:cannot_start')
+
+
+def test_shared_memory_that_cannot_be_allocated(monkeypatch):
+    made = []
+
+    def fake(create=False, size=0, name=None):
+        if len(made) == 2:
+            raise OSError(28, 'No space left on device')
+        made.append(real(create=create, size=size))
+        return made[-1]
+    real = ane_worker.shared_memory.SharedMemory
+    monkeypatch.setattr(ane_worker.shared_memory, 'SharedMemory', fake)
+    with pytest.raises(hg.UserError, match='could not allocate .* MiB of shared memory .*No space left'):
+        ane_worker.WorkerEngine(spec(), hg.LossScaler(1.0, 0, enabled=False))
+    for m in made:  # the blocks made before the failure are freed, none left behind
+        assert not os.path.exists(f'/dev/shm/{m.name.lstrip("/")}')
+
+
+def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
+    # --mode hetero --device cpu: the GPU engine is autograd, the ANE engine the worker
+    # (the eager derivation in fp16), as the Mac's structure; it is stopped at the end
+    cfg, given = hg.parse_args(['--mode', 'hetero', '--device', 'cpu', '--n_layer', '1', '--n_head', '2',
+                                '--n_embd', '16', '--block_size', '8', '--vocab_size', '50', '--out_dir', str(tmp_path)])
+    hg.setup(cfg, given, log=lambda s: None)
+    model, _, engines, step, _ = hg.build_run(cfg, torch.device('cpu'), torch.float32, 'hetero', log=lambda s: None)
+    try:
+        assert isinstance(engines['ane'], ane_worker.WorkerEngine) and 'float16' in engines['ane'].label
+        assert engines['ane'].scaler.scale == 256.0
+        out = step([tuple(torch.randint(0, 50, (8, 8)) for _ in range(2)) for _ in range(2)])
+        assert out['used'] == ['ane', 'gpu']
+    finally:
+        engines['ane'].close()
