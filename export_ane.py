@@ -137,7 +137,7 @@ def check_ane_limits(reports, B):
                                "(--ane_batch_size in the trainer)")
 
 
-PROGRAM_FORMAT = 5  # bump when a program changes (5: per-piece programs in one folder)
+PROGRAM_FORMAT = 5  # bump when a program changes (5: per-piece programs in one folder, with 'peak')
 META = 'heterogpt.json'
 
 

@@ -663,8 +663,9 @@ def grads_finite(grads):
 #                                                          -> loss, d_x, d_<its weights>
 #   block_backward  x, dy, the block's weights            -> d_x, d_<weights>   (L calls)
 # block_backward recomputes its block's forward from x instead of receiving the forward's
-# cache through the host. For GPT-2 124M (python export_ane.py) that costs 18 GFLOP per block
-# and sequence, 1/3 more of the block's FLOPs, and saves a cache of 22M values per block and
+# cache through the host. For GPT-2 124M (python export_ane.py) that costs 13 GFLOP per block
+# and sequence (its forward but the MLP's projection, whose output the backward never reads),
+# 18% more FLOPs per step, and saves a cache of 22M values per block and
 # sequence (12 N C activations + H T^2 probabilities): 44 MB in fp16 that predict would hand
 # back as 88 MB of fp32 and take in again, converting and copying over the memory the GPU
 # trains from (ANE_NOTES section 1), with all L caches held on the host meanwhile.
@@ -706,13 +707,31 @@ class MILOps(Derivation):
 
     def __init__(self):
         from coremltools.converters.mil import Builder as mb
-        self.mb = mb
+        self.mb, self.products = mb, []
 
     def _u(self, op, x, **kw):
         return MILTensor(getattr(self.mb, op)(x=x.v, **kw))
 
     def matmul(self, a, b, ta=False, tb=False):
-        return MILTensor(self.mb.matmul(x=a.v, y=b.v, transpose_x=ta, transpose_y=tb))
+        self.products.append(MILTensor(self.mb.matmul(x=a.v, y=b.v, transpose_x=ta, transpose_y=tb)))
+        return self.products[-1]
+
+    def peak(self, outputs):
+        """(1, 1): the largest |value| of every matmul result the outputs depend on. The ANE's
+        matmuls saturate near 32752 instead of giving inf (ANE_NOTES section 2), and a saturated
+        score can vanish in a softmax before any output shows it: the host reads this."""
+        live, todo = set(), [o.v for o in outputs]
+        while todo:  # the variables the outputs depend on (the rest is dead and removed)
+            v = todo.pop()
+            if id(v) not in live and v.op is not None:
+                live.add(id(v))
+                todo += [u for x in v.op.inputs.values() for u in (x if isinstance(x, (list, tuple)) else [x])]
+        m = None
+        for y in (y for y in self.products if id(y.v) in live):
+            r = self.mb.reshape(x=self.mb.reduce_max(x=self.mb.abs(x=y.v), axes=list(range(len(y.shape))),
+                                                     keep_dims=True), shape=[1, 1])
+            m = r if m is None else self.mb.maximum(x=m, y=r)
+        return MILTensor(m)
 
     def exp(self, x): return self._u('exp', x)
     def log(self, x): return self._u('log', x)
@@ -811,7 +830,7 @@ def run_piece(o, cfg, B, T, piece, inp):
 
 def build_coreml_program(cfg, B, T, piece='step'):
     """run_piece(MILOps) as a MIL Program: fp16 inputs piece_input_shapes(cfg, B, T, piece),
-    fp16 outputs by run_piece's names."""
+    fp16 outputs by run_piece's names, and 'peak' (MILOps.peak)."""
     ct = import_coremltools()
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import Function, Program, types
@@ -819,7 +838,9 @@ def build_coreml_program(cfg, B, T, piece='step'):
     shapes = piece_input_shapes(cfg, B, T, piece)
     placeholders = {k: mb.placeholder(shape=s, dtype=types.fp16) for k, s in shapes.items()}
     with Function(placeholders, opset_version=ct.target.macOS13) as fn:
-        out = run_piece(MILOps(), cfg, B, T, piece, {k: MILTensor(v) for k, v in fn.inputs.items()})
+        ops = MILOps()
+        out = run_piece(ops, cfg, B, T, piece, {k: MILTensor(v) for k, v in fn.inputs.items()})
+        out['peak'] = ops.peak(list(out.values()))
         fn.set_outputs([mb.identity(x=v.v, name=k) for k, v in out.items()])
     prog = Program()
     prog.add_function('main', fn)
@@ -943,8 +964,8 @@ class CoreMLEngine(Engine):
         peak = float(np.max(peaks))  # nan if any output holds a nan
         self.scaler.peak = max(self.scaler.peak, peak)
         g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in out.items() if k.startswith('d_')}
-        # An overflow, told by magnitude (ANE_OVERFLOW) in any program's output, activations
-        # included, makes the loss inf: the step drops these gradients and lowers the loss scale
+        # An overflow, told by magnitude (ANE_OVERFLOW) in any program's output, activations and
+        # each program's largest matmul result ('peak') included, makes the loss inf: the step drops these gradients and lowers the loss scale
         loss = float(np.asarray(out['loss']).reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
 
