@@ -240,7 +240,7 @@ def ensure_programs(cfg, log=print):
     return path
 
 
-def open_programs(path, predict=None, scaler=None, holds_gil=False):
+def open_programs(path, predict=None, scaler=None):
     """A CoreMLEngine on the programs in `path`, in this process: by Core ML on macOS, the
     NumPy evaluator elsewhere (hg.coreml_predict_fn), unless `predict` is given."""
     meta = read_programs_meta(path)
@@ -248,7 +248,7 @@ def open_programs(path, predict=None, scaler=None, holds_gil=False):
     label = f"Core ML programs {os.path.basename(path.rstrip('/'))}" + ('' if hg.ON_MAC else ' (NumPy evaluator)')
     return hg.CoreMLEngine(cfg, meta['microbatch'], meta['seq_len'],
                            predict or hg.coreml_predict_fn(path, meta['pieces']), meta['pieces'],
-                           scaler=scaler, holds_gil=holds_gil, label=label)
+                           scaler=scaler, label=label)
 
 
 def compiled_model(programs, piece, compile_fn=None):

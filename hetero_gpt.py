@@ -28,7 +28,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -872,11 +871,9 @@ class Engine:
     """What the concurrent step needs of an engine: loss_and_grads(idx, targets) -> (0-dim
     loss, {param name: gradient}) for one microbatch from the current weights, fp32 (fp64 in
     fp64 runs) tensors of the caller's own, which the step sums into; name ('gpu' or 'ane'),
-    label, device, holds_gil (does a call hold the GIL?) and scaler (a LossScaler);
+    label, device and scaler (a LossScaler);
     load_weights(params), once per step; running(), a context for its thread's work (its own
     CUDA stream in standin.py); synchronize(), a wait for its queued work."""
-    holds_gil = False
-
     def load_weights(self, params):
         pass
 
@@ -892,16 +889,16 @@ class CoreMLEngine(Engine):
     predict(piece, inputs) -> outputs runs one program (Core ML on macOS: coreml_predict_fn;
     elsewhere the NumPy evaluator or the eager stand-in), and is the one function a test or
     another evaluator replaces. Its microbatch B is its own: a call takes any multiple of B
-    sequences and runs them B at a time. It runs in the training process (holds_gil, on a
-    Mac), or in a worker process of its own (ane_worker.py)."""
+    sequences and runs them B at a time. It runs in a worker process of its own
+    (ane_worker.py), or in the training process, where on a Mac its predict holds the GIL."""
     name = 'ane'
     device = torch.device('cpu')
 
-    def __init__(self, cfg, B, T, predict, pieces=ANE_PIECES, scaler=None, holds_gil=False, label='Core ML'):
+    def __init__(self, cfg, B, T, predict, pieces=ANE_PIECES, scaler=None, label='Core ML'):
         check_ane_shapes(cfg, B, T)
         self.cfg, self.B, self.T, self.predict, self.pieces = cfg, B, T, predict, tuple(pieces)
         self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
-        self.holds_gil, self.label, self.checked = holds_gil, label, False
+        self.label, self.checked = label, False
         # Persistent fp32 buffers, made once: coremltools wraps fp32 arrays without a copy but
         # makes a new fp32 array of every fp16 one, and Core ML frees its inputs late, on its
         # own queue (ANE_NOTES section 1; coremltools PRs #2827, #2829): these are never freed.
@@ -1112,31 +1109,24 @@ class Split:
         self.k, self.sec, self.steps = s['k'] if s.get('n', self.n) == self.n else self.k, s['sec'], s['steps']
 
 
-def run_engine(engine, microbatches, out, wait_for=None, enqueued=None):
+def run_engine(engine, microbatches, out):
     """Thread body: forward+backward of each microbatch, gradients summed into `out`."""
     try:
-        if wait_for is not None:
-            wait_for.wait(timeout=60)
         t0 = time.perf_counter()
         acc, loss = None, 0.0
         with engine.running():  # (standin.py's engine: its own CUDA stream, sums included)
-            for i, (idx, targets) in enumerate(microbatches):
+            for idx, targets in microbatches:
                 l, g = engine.loss_and_grads(idx, targets)
                 if acc is None:
                     acc = g  # every call returns tensors of its own: the sums go into the first
                 else:
                     torch._foreach_add_(list(acc.values()), list(g.values()))  # one launch
                 loss = loss + l.float()  # a tensor: no wait for the device until the end
-                if enqueued is not None and i == 0:
-                    enqueued.set()
             finite = grads_finite(acc | {'loss': loss.reshape(1)})  # the one wait for the device
         out.update(grads=acc, loss=float(loss), finite=finite, n=len(microbatches),
                    seconds=time.perf_counter() - t0)
     except Exception as e:  # reported by the caller; training goes on with the other engine
         out['error'] = e
-    finally:
-        if enqueued is not None:
-            enqueued.set()
 
 
 class HeteroStep:
@@ -1178,21 +1168,13 @@ class HeteroStep:
         for name in self.alive:
             if name != 'gpu' and shares[name]:
                 self.engines[name].load_weights(self.params)
-        # Core ML's predict holds the GIL for its whole call (ANE_NOTES section 1). While it
-        # runs, the GPU thread cannot run Python, but kernels it has already enqueued keep
-        # the GPU busy and loss.backward() runs in C++ without the GIL. So the GPU thread
-        # starts first and the ANE thread waits until the GPU has enqueued its first
-        # microbatch's forward and backward; then both accelerators are busy at once.
+        # one thread per engine; the ANE engine's waits on its worker process without the GIL
         working = sorted((n for n in self.alive if shares[n]), key=lambda n: n != 'gpu')
         results = {name: {} for name in working}
         if len(working) == 1:  # one engine: run it right here, no thread to hand off to
             run_engine(self.engines[working[0]], shares[working[0]], results[working[0]])
         else:
-            enqueued = threading.Event()
-            gil_bound = any(self.engines[n].holds_gil for n in working)
-            futures = [self.threads[name].submit(run_engine, self.engines[name], shares[name], results[name],
-                                                 enqueued if name != 'gpu' and gil_bound else None,
-                                                 enqueued if name == 'gpu' else None) for name in working]
+            futures = [self.threads[n].submit(run_engine, self.engines[n], shares[n], results[n]) for n in working]
             for f in futures:
                 f.result()
         self._recover(results, shares)
@@ -1370,8 +1352,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
                                                      log, load_timeout=cfg.ane_load_timeout)
         elif ON_MAC or cfg.ane_evaluator == 'numpy':  # the programs in this process (on a Mac: GIL-bound)
             import export_ane
-            engines['ane'] = export_ane.open_programs(export_ane.ensure_programs(cfg, log), scaler=scaler,
-                                                      holds_gil=ON_MAC)
+            engines['ane'] = export_ane.open_programs(export_ane.ensure_programs(cfg, log), scaler=scaler)
         else:
             engines['ane'] = eager_engine_class(cfg, ane_dev)(model.config, ane_dev, ane_dtype, scaler, cfg.compile)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':

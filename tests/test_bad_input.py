@@ -72,11 +72,12 @@ def test_bad_settings_are_refused_before_anything_is_written(data_dir, tmp_path,
 
 def test_settings_that_do_not_apply_are_named_once(capsys):
     said = []
-    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'gpu', '--ane_package', 'x.mlpackage',
-                                '--ane_fraction', '0.5', '--loss_scale', '8', '--fused_kernels'])
+    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'gpu', '--ane_programs', 'x',
+                                '--ane_fraction', '0.5', '--loss_scale', '8', '--fused_kernels', '--ane_batch_size', '2'])
     hg.setup(cfg, given, log=said.append)
     moot = [s for s in said if s.startswith('not used')]
-    assert len(moot) == 1 and all(f in moot[0] for f in ('--ane_package', '--ane_fraction', '--loss_scale'))
+    assert len(moot) == 1 and all(f in moot[0] for f in ('--ane_programs', '--ane_fraction', '--loss_scale',
+                                                         '--ane_batch_size'))
     assert ('--fused_kernels' in moot[0]) and ('no fp16 engine' in moot[0])
     said.clear()
     cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_loss_scale', '8'])
@@ -85,6 +86,14 @@ def test_settings_that_do_not_apply_are_named_once(capsys):
     cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--loss_scale', '8'])
     hg.setup(cfg, given, log=said.append)  # --loss_scale is the GPU engine's, which mode ane has not
     assert [s for s in said if s.startswith('not used') and '--loss_scale' in s]
+    said.clear()  # the worker runs the eager stand-in: no programs to export, no fused kernels
+    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_programs', 'x', '--fused_kernels'])
+    hg.setup(cfg, given, log=said.append)
+    assert [s for s in said if s.startswith('not used') and '--ane_programs' in s and '--fused_kernels' in s]
+    with pytest.raises(hg.UserError, match='--ane_batch_size 3 must divide --batch_size 8'):
+        hg.setup(*hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_batch_size', '3']))
+    with pytest.raises(hg.UserError, match='--ane_evaluator'):
+        hg.setup(*hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_evaluator', 'coreml']))
 
 
 def test_help_says_what_replaces_the_defaults_without_a_gpu(capsys):

@@ -48,7 +48,7 @@ def test_saved_programs_match_autograd(package, kind):
     # The engine's microbatch is 3 sequences; it takes 6 as two calls, the mean of the two.
     model, idx, targets, ref_loss = reference(b=2 * B)
     engine = export_ane.open_programs(package[kind], scaler=hg.LossScaler(1024.0, 0))
-    assert not engine.holds_gil and engine.pieces == ((kind,) if kind == 'step' else hg.ANE_PIECES)
+    assert engine.pieces == ((kind,) if kind == 'step' else hg.ANE_PIECES)
     engine.load_weights(dict(model.named_parameters()))
     loss, grads = engine.loss_and_grads(idx, targets)
     assert abs(loss.item() - ref_loss) / ref_loss < 1e-2
@@ -224,7 +224,7 @@ def test_programs_without_biases(tmp_path):
 
 def test_trainer_builds_the_core_ml_engine_as_on_macos(tmp_path, monkeypatch):
     # what build_engines does on macOS with --ane_worker false, the NumPy evaluator for Core
-    # ML: the programs for the run's shapes, an engine that holds the GIL, one microbatch
+    # ML: the programs for the run's shapes, an engine in this process, one microbatch
     monkeypatch.setattr(hg, 'ON_MAC', True)
     monkeypatch.setattr(hg, 'coreml_predict_fn', export_ane.numpy_programs)
     cfg, _ = hg.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '8',
@@ -232,7 +232,7 @@ def test_trainer_builds_the_core_ml_engine_as_on_macos(tmp_path, monkeypatch):
     model = hg.GPT(hg.model_config(cfg))
     engines = hg.build_engines(cfg, model, torch.device('cpu'), torch.float32, 'ane', log=lambda s: None)
     eng = engines['ane']
-    assert isinstance(eng, hg.CoreMLEngine) and eng.cfg == model.config and eng.scaler.enabled and eng.holds_gil
+    assert isinstance(eng, hg.CoreMLEngine) and eng.cfg == model.config and eng.scaler.enabled
     eng.load_weights(dict(model.named_parameters()))
     loss, grads = eng.loss_and_grads(*(torch.randint(0, 100, (2, 8)) for _ in range(2)))
     assert 0 < loss.item() < 10 and set(grads) == {k for k, _ in model.named_parameters()}

@@ -118,7 +118,7 @@ class FakeEngine:
 
     def __init__(self, name, seconds, grads, fail=False):
         self.name, self.seconds, self.grads, self.fail = name, seconds, grads, fail
-        self.holds_gil, self.label, self.device = False, f'fake {name}', torch.device('cpu')
+        self.label, self.device = f'fake {name}', torch.device('cpu')
         self.scaler = hg.LossScaler(1024.0, 2)
         self.calls = 0
 
