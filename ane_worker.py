@@ -96,9 +96,14 @@ class Buffers:
         self.shm = {}
 
 
-def worker_spec(cfg, dtype, threads, log=print):
-    """What the worker builds, from the run's Config: plain values, sent to the new process."""
+def worker_spec(cfg, device, dtype, log=print):
+    """What the worker builds, from the run's Config: plain values, sent to the new process.
+    Its CPU threads: all cores but one for the thread that feeds the GPU, or half of them
+    when the GPU engine is on the CPU too (this process then keeps the other half)."""
     import export_ane
+    threads = max(1, hg.CPU_THREADS // 2 if device.type == 'cpu' else hg.CPU_THREADS - 1)
+    if device.type == 'cpu':
+        torch.set_num_threads(max(1, hg.CPU_THREADS - threads))
     evaluator = 'coreml' if hg.ON_MAC else cfg.ane_evaluator
     return dict(cfg=dataclasses.asdict(hg.model_config(cfg)), B=export_ane.ane_batch(cfg), T=cfg.block_size,
                 max_batch=cfg.batch_size, evaluator=evaluator, dtype=str(dtype).split('.')[-1], threads=threads,
@@ -231,8 +236,9 @@ class WorkerEngine(hg.Engine):
                 raise self._fault(f"did not finish {what} within {timeout:.0f} s, so it was stopped")
         try:
             msg = self.conn.recv()
-        except (EOFError, OSError):
-            raise self._fault(f"closed its pipe while {what} ({exit_text(self.proc.exitcode)})") from None
+        except (EOFError, OSError):  # it is gone: its exit status comes once it is reaped
+            self.proc.join(5)
+            raise self._fault(f"died while {what} ({exit_text(self.proc.exitcode)})") from None
         if msg[0] == 'error':
             raise self._fault(f"raised while {what}: {msg[1]}")
         return msg[1:]

@@ -20,6 +20,13 @@ class BenchConfig(hg.Config):
     bench_repeats: int = hg.opt(3, "rounds: the modes take turns, each reports its median round")
 
 
+def device_synchronize(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+    elif device.type == 'mps':  # torch.mps.synchronize() holds the GIL while it waits (ANE_NOTES
+        torch.ones((), device=device).item()  # section 1); .item() waits for MPS's one queue without it
+
+
 def bench(cfg, given):
     """The modes take turns (gpu, ane, hetero, gpu, ...) for bench_repeats rounds and each
     reports its median round, so a drift of the GPU's clocks touches every mode alike."""
@@ -39,10 +46,8 @@ def bench(cfg, given):
         rounds[mode] = dict(tok_s=[], joules=[], engine_s={}, step_s=[])
 
     def sync():  # every engine's work done, so that a round's time holds all of it
-        hg.device_synchronize(device)
-        for _, engines, _, _ in runs.values():
-            for e in engines.values():
-                e.synchronize()
+        for d in {device} | {e.device for _, engines, _, _ in runs.values() for e in engines.values()}:
+            device_synchronize(d)
 
     def train_step(mode, it):
         _, _, step, _ = runs[mode]

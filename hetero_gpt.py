@@ -115,16 +115,13 @@ class Config(GPTConfig):
     ane_batch_size: int = opt(0, "sequences per ANE call; a divisor of batch_size (0: the largest up to 4)")
     ane_programs: str = opt('', "folder of the ANE's Core ML programs (default: out_dir/ane_B{ane_batch}_T{block})")
     ane_worker: bool = opt(True, "run the ANE engine in a worker process (on macOS; off it, when it is on the CPU)")
-    ane_evaluator: str = opt('eager', "off macOS, what runs the ANE's programs: eager (the derivation in "
-                                      "PyTorch) or numpy (the exported programs, op by op: slow)")
+    ane_evaluator: str = opt('eager', "off macOS, the ANE programs' runner: eager (PyTorch) or numpy (slow)")
     ane_load_timeout: float = opt(3600.0, "seconds the ANE worker may take to start and compile its programs")
     loss_scale: float = opt(1024.0, "GPU engine's initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
-    ane_loss_scale: float = opt(256.0, "ANE engine's initial loss scale (256: what published ANE training used); "
-                                       "dynamic as loss_scale, but grows only while its outputs stay far from fp16's range")
+    ane_loss_scale: float = opt(256.0, "ANE engine's initial loss scale (as published ANE training); grows only far from fp16's max")
     scale_window: int = opt(200, "finite steps before the fp16 loss scale grows")
-    compile: bool = opt(False, "torch.compile the GPU engine's model and the eager engine's derivation")
-    fused_kernels: bool = opt(False, "off macOS, the eager stand-in's pieces by PyTorch's fused kernels "
-                                     "(standin.py; faster, fp32 statistics inside where the ANE's are fp16)")
+    compile: bool = opt(False, "torch.compile the GPU engine's model and (standin.py) the eager engine's derivation")
+    fused_kernels: bool = opt(False, "off macOS, the stand-in's pieces as fused kernels (standin.py; fp32 inside)")
     # evaluation, logging, checkpoints
     eval_interval: int = opt(100, "evaluate validation loss and save a checkpoint every this many steps")
     eval_iters: int = opt(20, "validation batches per evaluation (0: the full validation split)")
@@ -139,8 +136,8 @@ class Config(GPTConfig):
     quiet: bool = opt(False, "no progress bar")
     dist_timeout: float = opt(600.0, "under torchrun, seconds a rank waits for the others before it stops the run")
 
-    def __post_init__(self):
-        pass  # checked in setup(), once the CPU defaults are in
+    def __post_init__(self):  # checked in setup(), once the CPU defaults are in
+        pass
 
 
 # What the default run becomes on a machine with no accelerator, for settings the user
@@ -269,18 +266,16 @@ def GPT_param_shapes(cfg):
 # Written ONCE, as the methods of Derivation, over primitive ops each backend provides:
 # self.matmul (optional transposes), + - * / with tensors or floats, exp log tanh rsqrt,
 # sum mean max over one axis, maximum, softmax, reshape, transpose, causal_mask, pad_mask.
-# TorchOps (below) runs them eagerly; MILOps (section 4) records them as a Core ML program.
+# TorchOps (below) runs them eagerly; MILOps (section 4) records them as Core ML programs.
 # Each layer is a forward/backward pair: the forward returns (output, cache), the backward
 # takes that cache, so a faster backend (standin.py) overrides a whole pair, cache and all.
 # Every op recorded here runs on the ANE: no gather, scatter, one_hot, concat or split; the
 # host does the sparse work around the dense step (host_weights, host_batch, host_grads).
 #
-# Shapes: B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H.
-# Activations are (N, C) row matrices; attention works per head on (B, H, T, D).
-# Apple's ANE guide prefers (B, C, 1, S) and 1x1 convolutions; we keep matmul on rows, as
-# the weights are program *inputs* (one program for every step) and matmul takes two
-# runtime operands on the ANE, where conv with a runtime weight compiles only at batch 1
-# (ANE_NOTES section 3).
+# Shapes: B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H; (N, C) row
+# matrices, attention per head on (B, H, T, D). Not Apple's (B, C, 1, S) with 1x1 convs: the
+# weights are program *inputs*, and conv with a runtime weight compiles only at batch 1,
+# where matmul takes two runtime operands on the ANE (ANE_NOTES section 3).
 
 GELU_K = math.sqrt(2.0 / math.pi)
 
@@ -302,7 +297,7 @@ class Derivation:
     """GPT-2's forward, loss and backward, each layer a pair of methods over self's ops."""
     recompute_attention = False  # True: the backward remakes P instead of caching it
 
-    def fused(self, method):  # TorchOps may compile a piece; a graph compiler fuses anyway
+    def fused(self, method):  # a piece as one function to fuse (standin.CompiledOps compiles it)
         return method
 
     # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin) as in nn.Linear
@@ -501,27 +496,14 @@ class Derivation:
         return loss, grads
 
 
-_COMPILED = {}  # (backend class, piece name) -> its torch.compile'd function (TorchOps.fused)
-
-
 class TorchOps(Derivation):
     """PyTorch backend of the derivation: eager, no autograd, any device and dtype."""
     # Eager PyTorch keeps every cached tensor until the backward: the (B, H, T, T) attention
     # probabilities would be the largest (fp32: 16 bytes per token, head and position).
     recompute_attention = True
 
-    def __init__(self, dtype, device, compile=False):
-        self.dtype, self.device, self.compile = dtype, torch.device(device), compile
-
-    def fused(self, method):
-        # Eager, a layernorm makes ~10 passes over memory where a fused kernel makes 2: with
-        # compile, torch.compile fuses a whole piece (a block's forward, its backward, ...).
-        if not self.compile:
-            return method
-        key = (type(self), method.__name__)
-        if key not in _COMPILED:
-            _COMPILED[key] = torch.compile(method.__func__, dynamic=False)
-        return functools.partial(_COMPILED[key], self)
+    def __init__(self, dtype, device):
+        self.dtype, self.device = dtype, torch.device(device)
 
     def matmul(self, a, b, ta=False, tb=False):
         a, b = (a.mT if ta else a), (b.mT if tb else b)
@@ -554,19 +536,16 @@ class TorchOps(Derivation):
 
 
 def vocab_chunks(V):
-    """(rows, [(start, end)]): the vocabulary in n equal chunks of `rows` rows, at most
-    ANE_MAX_DIM each. `rows` is rounded up to a multiple of 64, so every chunk's matrices
-    have aligned rows (tensor cores and the ANE both want aligned last dimensions). The
-    last chunk is padded with zero rows past the vocabulary, masked out of the softmax."""
+    """(rows, [(start, end)]): the vocabulary in n chunks of `rows` <= ANE_MAX_DIM rows, a
+    multiple of 64 (aligned, for tensor cores and the ANE); the last padded, masked out."""
     n = -(-V // ANE_MAX_DIM)
     rows = (-(-V // n) + 63) // 64 * 64  # ceil(V / n), rounded up to a multiple of 64
     return rows, [(j * rows, min(V, (j + 1) * rows)) for j in range(n)]
 
 
 def dense_input_shapes(cfg, B, T):
-    """Name -> shape of every input of the dense step: the weights as host_weights makes
-    them (from meta tensors: shapes only), the microbatch's rows and the loss scale. Its
-    outputs are 'loss' and a gradient for each input but loss_scale."""
+    """Name -> shape of every input of the dense step (the weights as host_weights makes
+    them, from meta tensors), the microbatch's rows and the loss scale."""
     weights = host_weights(GPT_param_shapes(cfg), cfg)
     return {k: tuple(v.shape) for k, v in weights.items()} | {
         'x0': (B * T, cfg.n_embd), 'wte_tgt': (B * T, cfg.n_embd), 'loss_scale': (1, 1)}
@@ -652,30 +631,25 @@ def grads_finite(grads):
 # -----------------------------------------------------------------------------
 # 4. The Core ML programs: the same derivation, recorded by coremltools' MIL builder.
 #
-# MILOps provides the primitive ops, but each call adds an op to a MIL program instead of
-# computing. A whole-model program (~1,800 ops for GPT-2 124M) takes the ANE compiler tens of
-# minutes or fails, where one block compiles in about a second (ANE_NOTES section 1). So the
-# dense step is cut into three programs, chained by the host (CoreMLEngine); the blocks share
-# shapes, so each program is compiled once and serves every layer, its weights as inputs:
+# MILOps' ops add ops to a MIL program instead of computing. A whole-model program takes the
+# ANE compiler tens of minutes or fails, where one block compiles in about a second (ANE_NOTES
+# section 1). So the step is three programs, chained by the host (CoreMLEngine), each compiled
+# once for every layer (the blocks share shapes; their weights are inputs):
 #   block_forward   x, the block's weights                -> y                 (L calls)
 #   head            x_L, ln_f, vocabulary chunks, target rows, loss scale
 #                                                          -> loss, d_x, d_<its weights>
 #   block_backward  x, dy, the block's weights            -> d_x, d_<weights>   (L calls)
-# block_backward recomputes its block's forward from x instead of receiving the forward's
-# cache through the host. For GPT-2 124M (python export_ane.py) that costs 13 GFLOP per block
-# and sequence (its forward but the MLP's projection, whose output the backward never reads),
-# 18% more FLOPs per step, and saves a cache of 22M values per block and
-# sequence (12 N C activations + H T^2 probabilities): 44 MB in fp16 that predict would hand
-# back as 88 MB of fp32 and take in again, converting and copying over the memory the GPU
-# trains from (ANE_NOTES section 1), with all L caches held on the host meanwhile.
-# Opset macOS13: fp16 inputs and outputs, no casts at the edges. 'step', the whole dense step
-# as one program, can still be exported (export_ane.py --whole_step), to compare.
+# block_backward recomputes its block's forward from x rather than take the forward's cache
+# through the host. For GPT-2 124M (python export_ane.py) that is 13 GFLOP per block and
+# sequence, 18% more per step; the cache would be 22M values per block and sequence (12NC +
+# HT^2): 44 MB of fp16 that predict converts to 88 MB of fp32 and copies out, then in again,
+# over the memory the GPU trains from (ANE_NOTES section 1). Opset macOS13: fp16 in and out.
+# 'step', the whole step as one program, can still be exported (--whole_step), to compare.
 ANE_PIECES = ('block_forward', 'head', 'block_backward')
 
 
 class MILTensor:
-    """A MIL variable with Python's arithmetic operators, so the derivation's `a * b + c`
-    records mul and add ops. Python floats become fp16 constants."""
+    """A MIL variable whose + - * / record MIL ops; Python floats become fp16 constants."""
 
     def __init__(self, var):
         self.v = var
@@ -701,8 +675,7 @@ class MILTensor:
 
 
 class MILOps(Derivation):
-    """MIL backend of the derivation: every op is one the ANE runs (ANE_NOTES section 2).
-    A graph compiler plans its own memory: P is kept, not recomputed."""
+    """MIL backend of the derivation, every op one the ANE runs (ANE_NOTES section 2); P is kept."""
 
     def __init__(self):
         from coremltools.converters.mil import Builder as mb
@@ -860,37 +833,23 @@ def coreml_predict_fn(programs, pieces):
     return lambda piece, inputs: models[piece].predict(inputs)
 
 
-def device_synchronize(device):
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    elif device.type == 'mps':  # torch.mps.synchronize() holds the GIL while it waits (ANE_NOTES
-        torch.ones((), device=device).item()  # section 1); .item() waits for MPS's one queue without it
-
-
 class Engine:
-    """What the concurrent step needs of an engine: loss_and_grads(idx, targets) -> (0-dim
-    loss, {param name: gradient}) for one microbatch from the current weights, fp32 (fp64 in
-    fp64 runs) tensors of the caller's own, which the step sums into; name ('gpu' or 'ane'),
-    label, device and scaler (a LossScaler);
-    load_weights(params), once per step; running(), a context for its thread's work (its own
-    CUDA stream in standin.py); synchronize(), a wait for its queued work."""
+    """What the step needs of an engine: loss_and_grads(idx, targets) -> (0-dim loss, {param
+    name: gradient}) of one microbatch, fp32 (fp64 runs: fp64) tensors the caller owns; name
+    ('gpu' or 'ane'), label, device, scaler (a LossScaler); load_weights(params), once per
+    step; running(), a context for its thread (standin.py: a CUDA stream)."""
     def load_weights(self, params):
         pass
 
     def running(self):
         return contextlib.nullcontext()
 
-    def synchronize(self):
-        device_synchronize(self.device)
-
 
 class CoreMLEngine(Engine):
-    """The ANE engine: the Core ML programs, chained by the host around its sparse work.
-    predict(piece, inputs) -> outputs runs one program (Core ML on macOS: coreml_predict_fn;
-    elsewhere the NumPy evaluator or the eager stand-in), and is the one function a test or
-    another evaluator replaces. Its microbatch B is its own: a call takes any multiple of B
-    sequences and runs them B at a time. It runs in a worker process of its own
-    (ane_worker.py), or in the training process, where on a Mac its predict holds the GIL."""
+    """The ANE engine: its programs, chained by the host around the sparse work. predict(piece,
+    inputs) -> outputs runs one (Core ML: coreml_predict_fn; the NumPy evaluator; the eager
+    stand-in), the one function to replace. A call takes any multiple of its own B sequences.
+    It runs in a worker process (ane_worker.py) or here, where on a Mac predict holds the GIL."""
     name = 'ane'
     device = torch.device('cpu')
 
@@ -911,7 +870,6 @@ class CoreMLEngine(Engine):
                         if k != 'x'} for l in range(L)]
 
     def check(self, config=None, microbatch=None):
-        """Refuses another model configuration, or a microbatch the programs cannot run."""
         c, (b, t) = config or self.cfg, tuple(microbatch or (self.B, self.T))
         if c != self.cfg or t != self.T or b % self.B:
             raise UserError(f"the ANE programs were made for {self.cfg} and {self.B}x{self.T}-token calls; they "
@@ -919,8 +877,7 @@ class CoreMLEngine(Engine):
                             f"--microbatch B --seq_len {t}`, B dividing {b}")
 
     def load_weights(self, params):
-        # once per step, into the persistent buffers
-        if not self.checked:  # first call: are these the weights of the exported model?
+        if not self.checked:  # (once per step) first: are these the weights of the exported model?
             if {k: tuple(p.shape) for k, p in params.items()} != {
                     k: tuple(p.shape) for k, p in GPT_param_shapes(self.cfg).items()}:
                 raise UserError(f"the ANE programs were exported for another model ({self.cfg}): re-export "
@@ -961,8 +918,8 @@ class CoreMLEngine(Engine):
         peak = float(np.max(peaks))  # nan if any output holds a nan
         self.scaler.peak = max(self.scaler.peak, peak)
         g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in out.items() if k.startswith('d_')}
-        # An overflow, told by magnitude (ANE_OVERFLOW) in any program's output, activations and
-        # each program's largest matmul result ('peak') included, makes the loss inf: the step drops these gradients and lowers the loss scale
+        # an overflow, told by magnitude (ANE_OVERFLOW) in any output, 'peak' included, makes the
+        # loss inf: the step drops these gradients and lowers the loss scale
         loss = float(np.asarray(out['loss']).reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
 
@@ -982,10 +939,8 @@ class CoreMLEngine(Engine):
 
 
 # -----------------------------------------------------------------------------
-# 5. The PyTorch engines (the interface: Engine, section 4).
-# AutogradEngine: nanoGPT's model + autograd (the GPU: MPS or CUDA; or the CPU).
-# EagerEngine:    the derivation run by PyTorch, no autograd. Off a Mac it stands in for
-#                 the ANE, in fp16 by default so its arithmetic is the ANE's.
+# 5. The PyTorch engines (the interface: Engine, section 4): AutogradEngine, nanoGPT's model
+# with autograd (the GPU); EagerEngine, the derivation in PyTorch (off a Mac, the ANE's stand-in).
 
 
 class AutogradEngine(Engine):
@@ -1019,11 +974,11 @@ class AutogradEngine(Engine):
 class EagerEngine(Engine):
     """The derivation, eagerly, on its own copy of the weights in its dtype."""
     name = 'ane'
-    ops = TorchOps  # the backend class (standin.py's engine passes a fused one)
+    ops = TorchOps  # the backend class (standin.py's engine passes a fused or compiled one)
 
-    def __init__(self, cfg, device, dtype, scaler, compile=False):
+    def __init__(self, cfg, device, dtype, scaler):
         self.cfg, self.device, self.dtype, self.scaler = cfg, device, dtype, scaler
-        self.o = self.ops(dtype, device, compile)
+        self.o = self.ops(dtype, device)
         self.w = None
         self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
 
@@ -1039,11 +994,9 @@ class EagerEngine(Engine):
 
 
 class LossScaler:
-    """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale`, so
-    small gradients do not flush to zero in fp16; the host divides it back out. After
-    `window` finite steps in a row the scale doubles, unless twice the largest scaled value
-    its engine saw in that window (`peak`: CoreMLEngine's) passes `limit`; a non-finite step
-    halves it."""
+    """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale` (small
+    gradients do not flush to zero), the host divides it out. A non-finite step halves it;
+    `window` finite steps double it, unless twice the window's largest value (`peak`) passes `limit`."""
 
     def __init__(self, scale, window, enabled=True, limit=math.inf):
         self.scale = float(scale) if enabled else 1.0
@@ -1130,16 +1083,12 @@ def run_engine(engine, microbatches, out):
 
 
 class HeteroStep:
-    """One optimizer step over a list of microbatches, on one or both engines. Both start
-    from the same weights (the ANE engine's copy is refreshed here, once per step), run in
-    their own threads, and return summed gradients. All
-    microbatches have B*T tokens, so the token-weighted mean is the sum over both engines
-    divided by the count of microbatches that contributed. An engine whose gradients are
-    not finite (fp16 overflow) is left out of that step: the mean is then over the other
-    engine's microbatches alone, and is still an unbiased gradient. An engine that raises
-    on a valid batch is retired, and its share of the step is run by the other one (a batch
-    that is no valid input stops the run before either starts). Under torchrun each rank's
-    sums and counts are added first. update() clips the mean gradient, takes the AdamW step."""
+    """One optimizer step over a list of microbatches (all of B*T tokens), on one or both
+    engines, each in its own thread from the same weights. The mean gradient is the sum of
+    both engines' sums over the count of microbatches that contributed: an engine whose
+    gradients are not finite is left out (the mean over the other's is still unbiased); one
+    that raises on a valid batch is retired and the other runs its share (an invalid batch
+    stops the run first). Under torchrun the ranks' sums and counts are added first."""
 
     def __init__(self, model, engines, split, log=print, optimizer=None):
         self.model, self.engines, self.split, self.log = model, engines, split, log
@@ -1319,16 +1268,16 @@ def make_optimizer(model, cfg, device):
 
 
 def eager_engine_class(cfg, device):
-    """The eager stand-in's class: standin.py's (fused kernels, CUDA graph, own stream)
-    where that file exists and has something to add, else this file's plain one."""
+    """The eager stand-in's class: standin.py's (fused kernels, torch.compile, CUDA graph, own
+    stream) where that file exists and has something to add, else this file's plain one."""
     try:
         import standin  # the one place this file imports it: every mode runs without it
     except ImportError:
         if cfg.fused_kernels:
             raise UserError("--fused_kernels needs standin.py (the stand-in's fast paths), which is absent")
         return EagerEngine
-    if cfg.fused_kernels or device.type == 'cuda':
-        return functools.partial(standin.FastEagerEngine, fused_kernels=cfg.fused_kernels)
+    if cfg.fused_kernels or cfg.compile or device.type == 'cuda':
+        return functools.partial(standin.FastEagerEngine, fused_kernels=cfg.fused_kernels, compile=cfg.compile)
     return EagerEngine
 
 
@@ -1345,16 +1294,13 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
                             limit=ANE_OVERFLOW / 2)
         if cfg.ane_worker and (ON_MAC or ane_dev.type == 'cpu'):  # out of this process's GIL
             import ane_worker
-            threads = max(1, CPU_THREADS // 2 if device.type == 'cpu' else CPU_THREADS - 1)
-            if device.type == 'cpu':  # the two processes share the cores
-                torch.set_num_threads(max(1, CPU_THREADS - threads))
-            engines['ane'] = ane_worker.WorkerEngine(ane_worker.worker_spec(cfg, ane_dtype, threads, log), scaler,
+            engines['ane'] = ane_worker.WorkerEngine(ane_worker.worker_spec(cfg, device, ane_dtype, log), scaler,
                                                      log, load_timeout=cfg.ane_load_timeout)
         elif ON_MAC or cfg.ane_evaluator == 'numpy':  # the programs in this process (on a Mac: GIL-bound)
             import export_ane
             engines['ane'] = export_ane.open_programs(export_ane.ensure_programs(cfg, log), scaler=scaler)
         else:
-            engines['ane'] = eager_engine_class(cfg, ane_dev)(model.config, ane_dev, ane_dtype, scaler, cfg.compile)
+            engines['ane'] = eager_engine_class(cfg, ane_dev)(model.config, ane_dev, ane_dtype, scaler)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
                 # the CPU engine would take every core; leave one to the thread that feeds the
                 # GPU, whose kernel launches would otherwise wait behind the CPU's math
@@ -1402,11 +1348,9 @@ def train(cfg, given=frozenset()):
 
     def checkpoint():
         if rank == 0:
-            run_files.save_checkpoint(ckpt_path, dict(
-                model=model.state_dict(), optimizer=optimizer.state_dict(),
-                model_args=dataclasses.asdict(model.config), iter_num=it, tokens=tokens, elapsed=elapsed,
-                best_val_loss=best_val, config=dataclasses.asdict(cfg), split=split.state_dict(),
-                loss_scales={n: e.scaler.scale for n, e in engines.items()}))
+            run_files.save_checkpoint(ckpt_path, run_files.state(cfg, model, optimizer, split, engines,
+                                                                 iter_num=it, tokens=tokens, elapsed=elapsed,
+                                                                 best_val_loss=best_val))
 
     n_params = sum(p.numel() for p in model.parameters())
     print(f"GPT-2 {n_params / 1e6:.2f}M parameters | mode {cfg.mode} | "

@@ -41,6 +41,13 @@ def check_out_dir(cfg):
     return [os.path.join(cfg.out_dir, f) for f in found] if cfg.overwrite else []
 
 
+def state(cfg, model, optimizer, split, engines, **counters):
+    """What a checkpoint holds: weights, AdamW, the run's config, split and loss scales, counters."""
+    return dict(model=model.state_dict(), optimizer=optimizer.state_dict(), model_args=dataclasses.asdict(model.config),
+                config=dataclasses.asdict(cfg), split=split.state_dict(),
+                loss_scales={n: e.scaler.scale for n, e in engines.items()}, **counters)
+
+
 def save_checkpoint(path, obj):
     """Atomic: a crash mid-write leaves the previous checkpoint intact. That one is kept
     (renamed, not copied) as ckpt.prev.pt."""

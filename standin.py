@@ -18,6 +18,7 @@ FastEagerEngine the eager engine with its step captured once as a CUDA graph and
                 behind it), and with one flat copy of the weights to another GPU.
 """
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -99,14 +100,28 @@ def flat_buffer(like, dtype, device):
     return flat, [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
+_COMPILED = {}  # (backend class, piece name) -> its torch.compile'd function (CompiledOps.fused)
+
+
+class CompiledOps(hg.TorchOps):
+    """TorchOps with each piece (a block's forward, its backward, the head...) compiled whole by
+    torch.compile (--compile): eager, a layernorm makes ~10 passes over memory, fused 2."""
+
+    def fused(self, method):
+        key = (type(self), method.__name__)
+        if key not in _COMPILED:
+            _COMPILED[key] = torch.compile(method.__func__, dynamic=False)
+        return functools.partial(_COMPILED[key], self)
+
+
 class FastEagerEngine(hg.EagerEngine):
     def __init__(self, cfg, device, dtype, scaler, compile=False, fused_kernels=False):
         # the fused pieces hold vjp functions in their caches, which torch.compile cannot
         # return from a compiled piece: with fused kernels the derivation runs uncompiled
-        self.ops = FusedOps if fused_kernels else hg.TorchOps
-        super().__init__(cfg, device, dtype, scaler, compile and not fused_kernels)
+        self.ops = FusedOps if fused_kernels else CompiledOps if compile else hg.TorchOps
+        super().__init__(cfg, device, dtype, scaler)
         self.stream = torch.cuda.Stream(device) if device.type == 'cuda' else None
-        self.use_graph = device.type == 'cuda' and not self.o.compile
+        self.use_graph = device.type == 'cuda' and self.ops is not CompiledOps
         self.graph = self.graph_key = self.staging = None
         self.label = self.label[:-1] + (", CUDA graph" if self.use_graph else "") + \
             (", fused kernels)" if fused_kernels else ")")

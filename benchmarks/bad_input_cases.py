@@ -137,7 +137,12 @@ def rows_past_checkpoint(d):
 
 
 def export_package(d):
-    python(*export('--microbatch', '2', '--out', 'pkg.mlpackage'), cwd=d)
+    python(*export('--microbatch', '2', '--out', 'pkg'), cwd=d)
+
+
+def half_written_programs(d):  # as a crash during a copy would leave them: one program missing
+    export_package(d)
+    shutil.rmtree(os.path.join(d, 'pkg', 'head.mlpackage'))
 
 
 # ---- checks on what an exit-0 case did
@@ -202,7 +207,7 @@ CASES = [
     ('unknown flag', train('--no_such_flag', '1'), 'error'),
     ('bool flag value', train('--quiet', 'maybe'), 'error'),
     ('--resume and --overwrite', train('--resume', '--overwrite'), 'error'),
-    ('settings that do not apply', train('--mode', 'gpu', '--max_iters', '2', '--ane_package', 'x.mlpackage',
+    ('settings that do not apply', train('--mode', 'gpu', '--max_iters', '2', '--ane_programs', 'x',
                                          '--ane_fraction', '0.5', '--loss_scale', '8'), 'ok', None, False, (),
      says('not used')),
     # misplaced outputs
@@ -214,15 +219,21 @@ CASES = [
     ('second run with --overwrite', train('--max_iters', '5', '--overwrite'), 'ok', None, True, RESUMED),
     ('only metrics.jsonl, no --resume', train('--max_iters', '5'), 'error', remove('out/ckpt.pt', 'out/ckpt.prev.pt'),
      True),
-    ('export: microbatch 0', export('--microbatch', '0', '--out', 'a.mlpackage'), 'error'),
-    ('export: negative seq_len', export('--seq_len', '-3', '--out', 'a.mlpackage'), 'error'),
-    ('export: too many tokens', export('--microbatch', '4000', '--out', 'a.mlpackage'), 'error'),
-    ('export: n_embd not divisible', export('--n_embd', '30', '--n_head', '4', '--out', 'a.mlpackage'), 'error'),
+    ('ane_batch_size not dividing batch_size', train('--mode', 'ane', '--ane_batch_size', '3'), 'error'),
+    ('ane_evaluator unknown', train('--mode', 'ane', '--ane_evaluator', 'coreml'), 'error'),
+    ('ane_load_timeout 0', train('--mode', 'ane', '--ane_load_timeout', '0'), 'error'),
+    ('ANE programs missing one', train('--mode', 'ane', '--ane_evaluator', 'numpy', '--ane_programs', 'pkg',
+                                       '--n_layer', '1', '--n_head', '1', '--n_embd', '8', '--block_size', '8',
+                                       '--vocab_size', '50'), 'error', half_written_programs),
+    ('export: microbatch 0', export('--microbatch', '0', '--out', 'a'), 'error'),
+    ('export: negative seq_len', export('--seq_len', '-3', '--out', 'a'), 'error'),
+    ('export: too many tokens', export('--microbatch', '4000', '--out', 'a'), 'error'),
+    ('export: n_embd not divisible', export('--n_embd', '30', '--n_head', '4', '--out', 'a'), 'error'),
     ('export: --out is a file', export('--out', 'notes.txt'), 'error', write('notes.txt', 'mine')),
     ('export: --out is a folder of files', export('--out', 'mine'), 'error', write('mine/keep.txt', 'mine')),
-    ('export: --out in a new folder', export('--out', 'new/sub/a.mlpackage'), 'ok'),
-    ('export: over its own package', export('--microbatch', '3', '--out', 'pkg.mlpackage'), 'ok', export_package,
-     False, ('pkg.mlpackage',)),
+    ('export: --out in a new folder', export('--out', 'new/sub/a'), 'ok'),
+    ('export: over its own package', export('--microbatch', '3', '--out', 'pkg'), 'ok', export_package,
+     False, ('pkg',)),
     # broken data
     ('no such data set', train('--dataset', 'nonesuch'), 'error'),
     ('data set folder without meta.json', train(), 'error', remove('data/tiny/meta.json')),
