@@ -18,7 +18,6 @@ Off macOS the same worker runs behind the same interface with a stand-in for Cor
 eager derivation on the CPU (speed) or the exported programs in NumPy (checks), so the
 process boundary, the buffers, the timeouts and every fault path run everywhere.
 """
-import atexit
 import dataclasses
 import importlib
 import math
@@ -26,6 +25,7 @@ import multiprocessing
 import os
 import signal
 import time
+import weakref
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -188,7 +188,8 @@ class WorkerEngine(hg.Engine):
         ctx = multiprocessing.get_context('spawn')
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=serve, args=(child, self.bufs.names, spec), name='ane-worker', daemon=True)
-        atexit.register(self.close)
+        # stopped when this engine is freed, or at exit (a finalizer that holds no reference to it)
+        self._stop = weakref.finalize(self, _shutdown, self.proc, self.conn, self.bufs)
         if hg.ON_MAC:
             log("starting the ANE worker: it compiles the Core ML programs for the Neural Engine, which the "
                 "first time may take many minutes; later starts load them from the cache")
@@ -244,7 +245,6 @@ class WorkerEngine(hg.Engine):
         return msg[1:]
 
     def _fault(self, text):
-        code = self.proc.exitcode if self.proc is not None else None
         self.close()
         hint = ("a Neural Engine compile that failed kills the process at its first predict (coremltools #2758): "
                 "`python export_ane.py --check` tests the ANE path alone; a smaller --ane_batch_size makes smaller "
@@ -253,17 +253,18 @@ class WorkerEngine(hg.Engine):
 
     def close(self):
         """Stops the worker (asked first, then killed) and frees the shared memory. Idempotent."""
-        if getattr(self, 'proc', None) is not None and self.proc.pid is not None:
-            if self.proc.is_alive():
-                try:
-                    self.conn.send(('stop',))
-                except OSError:
-                    pass
-                self.proc.join(5)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
-        self.proc = None
-        if getattr(self, 'bufs', None) is not None:
-            self.bufs.close()
-            self.bufs = None
+        self._stop()
+        self.proc = self.bufs = None
+
+
+def _shutdown(proc, conn, bufs):
+    if proc.pid is not None and proc.is_alive():
+        try:
+            conn.send(('stop',))
+        except OSError:
+            pass
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    bufs.close()

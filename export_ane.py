@@ -11,9 +11,7 @@ report what is in them.
 The report (any OS), per program: calls per microbatch, ops, FLOPs, bytes in and out, an
 estimate of its largest live memory, the largest tensor dimension, ops known to fall off
 the ANE; per microbatch: FLOPs against the analytic count. Programs past the ANE's limits
-are refused. --check compares the gradients with autograd: on macOS through Core ML on
-CPU_AND_NE (plus the compute plan: which ops Core ML placed on the Neural Engine, and
-timings); elsewhere through the NumPy evaluator (slow; use a small model).
+are refused. --check runs the staged self-check (ane_check.py) and writes ane_check.json.
 """
 import argparse
 import collections
@@ -380,6 +378,20 @@ def numpy_predict(prog, ane=False):
     return predict
 
 
+def mil_program(fn, **shapes):
+    """A MIL program of fn(**fp16 inputs of these shapes as MILTensors) -> {name: MILTensor}."""
+    ct = hg.import_coremltools()
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import Function, Program, types
+    with Function({k: mb.placeholder(shape=s, dtype=types.fp16) for k, s in shapes.items()},
+                  opset_version=ct.target.macOS13) as f:
+        out = fn(**{k: hg.MILTensor(v) for k, v in f.inputs.items()})
+        f.set_outputs([mb.identity(x=v.v, name=k) for k, v in out.items()])
+    prog = Program()
+    prog.add_function('main', f)
+    return prog
+
+
 def numpy_programs(programs, pieces, ane=False):
     """predict(piece, inputs) -> outputs: the saved programs in numpy_predict (off macOS)."""
     fns = {p: numpy_predict(load_coreml_program(program_path(programs, p)), ane) for p in pieces}
@@ -407,29 +419,9 @@ def print_report(reports, cfg, B, T):
           f"largest dimension {st['largest_dim']} (ANE limit {hg.ANE_MAX_DIM})")
 
 
-def check_gradients(engine, cfg, B, T, seed=0):
-    """The engine's loss and gradients against fp64 autograd on one random microbatch:
-    prints the worst cosine similarity and returns it (1.0 is perfect)."""
-    torch.manual_seed(seed)
-    model = hg.GPT(cfg).double()
-    idx, targets = (torch.randint(0, cfg.vocab_size, (B, T)) for _ in range(2))
-    _, loss = model(idx, targets)
-    loss.backward()
-    engine.load_weights(dict(model.named_parameters()))
-    t0 = time.perf_counter()
-    l, grads = engine.loss_and_grads(idx, targets)
-    dt = time.perf_counter() - t0
-    cos = {k: torch.nn.functional.cosine_similarity(grads[k].double().flatten(), p.grad.flatten(), dim=0).item()
-           for k, p in model.named_parameters()}
-    worst = min(cos, key=cos.get)
-    finite = hg.grads_finite(grads | {'loss': l.reshape(1)})  # an overflow marks the loss (CoreMLEngine)
-    print(f"loss {l.item():.5f} vs autograd {loss.item():.5f}; worst gradient cosine {cos[worst]:.6f} ({worst}); "
-          f"all finite: {finite}; one call {dt:.2f} s")
-    return cos[worst] if finite else float('nan')
-
-
-def macos_compute_plan(compiled, piece):
-    """macOS 14.4+: where Core ML placed each op of a compiled program, and its estimated share of the cost."""
+def macos_placement(compiled):
+    """macOS 14.4+: where Core ML placed a compiled program's ops: the share of ops and of the
+    estimated cost on the Neural Engine, and the ops elsewhere by name and device."""
     ct = hg.import_coremltools()
     from coremltools.models.compute_plan import MLComputePlan
     plan = MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
@@ -444,12 +436,9 @@ def macos_compute_plan(compiled, piece):
         share['ops', on_ane] += 1
         share['cost', on_ane] += cost.weight if cost else 0.0
         if not on_ane:
-            elsewhere[op.operator_name, dev] += 1
-    for what in ('ops', 'cost'):
-        total = share[what, True] + share[what, False]
-        print(f"{piece}: share of {what} on the Neural Engine: {100 * share[what, True] / max(total, 1e-12):.1f}%")
-    for (name, dev), n in elsewhere.most_common():
-        print(f"  not on the ANE: {name} x{n} -> {dev}")
+            elsewhere[f"{op.operator_name} -> {dev}"] += 1
+    return {f'ane_share_of_{w}': round(share[w, True] / max(share[w, True] + share[w, False], 1e-12), 4)
+            for w in ('ops', 'cost')} | dict(not_on_ane=dict(elsewhere.most_common()))
 
 
 def main(argv=None):
@@ -459,33 +448,22 @@ def main(argv=None):
     p.add_argument('--seq_len', type=int, default=0, help="tokens per sequence (T; default block_size)")
     p.add_argument('--out', default='ane_programs', help="the folder to save the programs in")
     p.add_argument('--whole_step', action='store_true', help="the whole step as one program, to compare")
-    p.add_argument('--check', action='store_true', help="compare gradients with autograd (and, on macOS, the compute plan)")
-    p.add_argument('--check_calls', type=int, default=5, help="timed calls with --check on macOS")
+    p.add_argument('--check', action='store_true', help="the staged self-check (ane_check.py): what the ANE path does here")
+    p.add_argument('--gpu_batch', type=int, default=0, help="with --check: the GPU engine's microbatch (default: the trainer's)")
+    p.add_argument('--check_report', default='ane_check.json', help="with --check: the report (and its .md summary)")
+    p.add_argument('--stage_timeout', type=float, default=3600.0, help="with --check: seconds a stage may take")
     a = p.parse_args(argv)
     try:
         cfg = hg.GPTConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(hg.GPTConfig)})
         B, T = a.microbatch, a.seq_len or a.block_size
+        if a.check:  # the programs are exported by its own stage, in a process of their own
+            import ane_check
+            gpu_batch = a.gpu_batch or hg.MAC_DEFAULTS['batch_size'] if hg.ON_MAC else a.gpu_batch or hg.Config.batch_size
+            return ane_check.main(cfg, B, T, a.out, gpu_batch, a.check_report, a.stage_timeout)
         t0 = time.perf_counter()
         reports = export_programs(cfg, B, T, a.out, a.whole_step)
         print(f"saved {a.out} ({cfg}, {B}x{T} tokens a call) in {time.perf_counter() - t0:.1f} s")
         print_report(reports, cfg, B, T)
-        if a.check:
-            engine = open_programs(a.out, scaler=hg.LossScaler(hg.Config.ane_loss_scale, 0))
-            print(f"checking through {engine.label}")
-            worst = check_gradients(engine, cfg, B, T)
-            if hg.ON_MAC:
-                for piece in engine.pieces:
-                    macos_compute_plan(compiled_model(a.out, piece)[0], piece)
-                times = []
-                for _ in range(a.check_calls):
-                    t0 = time.perf_counter()
-                    engine.loss_and_grads(*(torch.randint(0, cfg.vocab_size, (B, T)) for _ in range(2)))
-                    times.append(time.perf_counter() - t0)
-                print(f"programs + host work: median {1e3 * sorted(times)[len(times) // 2]:.1f} ms per call "
-                      f"({B * T / sorted(times)[len(times) // 2]:.0f} tokens/s)")
-            if not worst >= 0.999:
-                print("gradient check FAILED (worst cosine below 0.999)")
-                return 1
     except hg.UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,386 @@
+"""
+Before a Mac trains: a self-check that finds out, on this machine, whether the ANE path works
+and how fast, and the memory preflight the trainer runs before its first step.
+
+    python export_ane.py --check                      # the trainer's defaults: GPT-2 124M
+    python export_ane.py --check --n_layer 2 --n_head 2 --n_embd 64 --block_size 64 --microbatch 2
+
+Each stage runs in a child process of its own (spawn) with its own timeout, so a stage that
+hangs, raises or is killed (a failed ANE compile kills its process at the first predict,
+coremltools #2758) is reported and the next stage still runs. Off macOS the stages that need
+Core ML, MPS or powermetrics are marked 'needs macOS'. The whole record goes to
+ane_check.json (paste it into a bug report), a summary to ane_check.md.
+"""
+import dataclasses
+import importlib
+import json
+import math
+import multiprocessing
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+import hetero_gpt as hg
+
+# (name, needs macOS, what it finds out)
+STAGES = (('environment', False, "macOS, chip, memory, versions, MPS, powermetrics"),
+          ('probes', True, "tiny programs for what the design relies on"),
+          ('programs', False, "the real programs: export, report, audit"),
+          ('coreml', True, "compile, load, placement and time of each program on the ANE and on the CPU"),
+          ('gradients', False, "the chained programs against fp64 autograd (Core ML on macOS, else NumPy)"),
+          ('concurrency', True, "each engine alone and beside the other"),
+          ('energy', True, "watts of CPU, GPU and ANE with each engine alone"),
+          ('projection', False, "tokens/s of each mode, the auto split, the memory a run takes"))
+
+
+# ---- the stage runner
+
+def _child(conn, target, ctx):
+    try:
+        module, name = target.split(':')
+        conn.send(('ok', getattr(importlib.import_module(module), name)(ctx)))
+    except BaseException as e:  # reported by the parent; the next stage runs
+        conn.send(('error', f"{type(e).__name__}: {e}".splitlines()[0]))
+
+
+def run_stage(name, ctx, timeout, target=None):
+    """Runs a stage, the function `target` ('module:function', of ctx -> a dict; by default
+    this file's function `name`) in a spawned child process, cut at `timeout` seconds:
+    {'name', 'seconds', 'status': ok | failed | timeout | killed, 'result' | 'error'}."""
+    from ane_worker import exit_text
+    mp = multiprocessing.get_context('spawn')
+    conn, child = mp.Pipe()
+    proc = mp.Process(target=_child, args=(child, target or f'ane_check:{name}', ctx), name=f'check-{name}',
+                      daemon=True)
+    t0 = time.monotonic()
+    proc.start()
+    child.close()
+    out = None
+    if conn.poll(timeout):
+        try:
+            kind, value = conn.recv()
+            out = dict(status='ok', result=value) if kind == 'ok' else dict(status='failed', error=value)
+        except EOFError:
+            pass
+    if out is None:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            out = dict(status='timeout', error=f"no answer within {timeout:.0f} s: stopped")
+        else:
+            proc.join()
+            out = dict(status='killed', error=f"the stage's process died ({exit_text(proc.exitcode)})")
+    proc.join(5)
+    return dict(name=name, seconds=round(time.monotonic() - t0, 2)) | out
+
+
+def run_all(ctx, stages, timeout, log=print, targets=None):
+    """Every stage in turn, each one's result added to ctx['results'] for those after it.
+    targets: {stage name: 'module:function'} in place of this file's functions (tests)."""
+    ctx = dict(ctx, results={})
+    records = []
+    for name, needs_mac, _ in stages:
+        if needs_mac and not hg.ON_MAC:
+            rec = dict(name=name, status='needs macOS', seconds=0.0)
+        else:
+            log(f"stage {name} ...")
+            rec = run_stage(name, ctx, timeout, (targets or {}).get(name))
+            ctx['results'][name] = rec.get('result')
+        log(f"  {name}: {rec['status']}" + (f" ({rec['error']})" if 'error' in rec else '') + f", {rec['seconds']} s")
+        records.append(rec)
+    return records
+
+
+def write_report(records, ctx, path):
+    """ane_check.json (everything) and ane_check.md (a summary) at path, atomically; never
+    over a file this check did not write."""
+    md = os.path.splitext(path)[0] + '.md'
+    for p in (path, md):
+        if os.path.exists(p) and not _ours(p):
+            raise hg.UserError(f"{p} exists and was not written by this check: refusing to overwrite it; "
+                               "use --check_report to name another file")
+    doc = dict(heterogpt_check=1, when=time.strftime('%Y-%m-%d %H:%M:%S'), config=ctx['cfg'],
+               microbatch=ctx['B'], seq_len=ctx['T'], gpu_batch=ctx['gpu_batch'], stages=records)
+    lines = ['<!-- heterogpt_check -->', '# HeteroEngine ANE self-check', '',
+             f"{doc['when']}, {platform.platform()}, model {hg.GPTConfig(**ctx['cfg'])}, "
+             f"{ctx['B']}x{ctx['T']} tokens a call", '', '| stage | status | seconds | what it found |', '|---|---|---|---|']
+    for r in records:
+        lines.append(f"| {r['name']} | {r['status']} | {r['seconds']} | {_summary(r)} |")
+    for p, text in ((path, json.dumps(doc, indent=1, default=str)), (md, '\n'.join(lines) + '\n')):
+        with open(p + '.tmp', 'w') as f:
+            f.write(text)
+        os.replace(p + '.tmp', p)
+    return doc
+
+
+def _ours(p):
+    try:
+        with open(p) as f:
+            head = f.read(200)
+        return 'heterogpt_check' in head
+    except OSError:
+        return False
+
+
+def _summary(r):
+    if 'error' in r:
+        return r['error'].replace('|', '/')
+    res = r.get('result') or {}
+    keys = {'environment': ('os', 'chip', 'memory_gib', 'torch', 'coremltools', 'mps'),
+            'programs': ('ops', 'live_mib', 'largest_dim', 'off_ane'),
+            'gradients': ('worst_cosine', 'worst', 'loss', 'reference_loss'),
+            'projection': ('gpu_tokens_per_s', 'ane_tokens_per_s', 'hetero_tokens_per_s', 'ane_share',
+                           'memory_gib', 'machine_gib')}.get(r['name'], tuple(res)[:6])
+    return ', '.join(f"{k} {res[k]}" for k in keys if k in res).replace('|', '/')
+
+
+# ---- the stages: each a function of ctx (plain values) -> a dict of plain values
+
+def total_memory():
+    """Bytes of memory this machine has (Linux and macOS)."""
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
+def environment(ctx):
+    import numpy
+    info = dict(os=platform.platform(), python=platform.python_version(), machine=platform.machine(),
+                cpus=os.cpu_count(), memory_gib=round(total_memory() / 2**30, 1), torch=torch.__version__,
+                numpy=numpy.__version__, mps=torch.backends.mps.is_available(), cuda=torch.cuda.is_available())
+    try:
+        info['coremltools'] = hg.import_coremltools().__version__
+    except ImportError:
+        info['coremltools'] = None
+    if hg.ON_MAC:
+        info['macos'] = platform.mac_ver()[0]
+        info['chip'] = subprocess.run(['sysctl', '-n', 'machdep.cpu.brand_string'], capture_output=True,
+                                      text=True).stdout.strip()
+        info['powermetrics'] = subprocess.run(['sudo', '-n', 'powermetrics', '-n', '1', '-i', '100', '--samplers',
+                                               'cpu_power'], capture_output=True, timeout=30).returncode == 0
+    return info
+
+
+def probes(ctx):
+    """macOS: tiny programs on CPU_AND_NE for what the design relies on (ANE_NOTES sections 2, 3)."""
+    import export_ane
+    ct = hg.import_coremltools()
+    cfg, N = hg.GPTConfig(**ctx['cfg']), ctx['B'] * ctx['T']
+    C, V = cfg.n_embd, hg.vocab_chunks(cfg.vocab_size)[0]
+    rng = np.random.default_rng(0)
+    ops = hg.MILOps
+    cases = {  # name: (fn of MILOps and inputs -> outputs, inputs)
+        'matmul, both operands inputs': (lambda o, x, w: {'y': o.matmul(x, w, tb=True)},
+                                        dict(x=rng.standard_normal((N, C)), w=rng.standard_normal((4 * C, C)) / 30)),
+        'long sum as reduce_sum': (lambda o, x: {'y': o._u('reduce_sum', x, axes=[0], keep_dims=True)},
+                                   dict(x=rng.standard_normal((N, C)) * 0.01 + 0.005)),
+        'long sum as a matmul with ones': (lambda o, x: {'y': o.sum(x, 0)}, dict(x=rng.standard_normal((N, C)) * 0.01 + 0.005)),
+        'softmax over a vocabulary chunk': (lambda o, z: {'y': o.softmax(z, -1)}, dict(z=rng.standard_normal((64, V)) * 2)),
+        'overflow, then a multiply': (lambda o, x: {'y': (x * 1000.0) * 0.0}, dict(x=np.full((8, 8), 100.0))),
+        'layernorm of rows of RMS ~1000': (lambda o, x, w, b: {'y': o.layernorm_forward(x, w, b)[0]},
+                                           dict(x=rng.standard_normal((32, C)) * 1000 + 300, w=np.ones(C), b=np.zeros(C))),
+    }
+    out = {}
+    for name, (fn, inputs) in cases.items():
+        inputs = {k: v.astype(np.float16).astype(np.float32) for k, v in inputs.items()}
+        prog = export_ane.mil_program(lambda **t: fn(ops(), **t), **{k: v.shape for k, v in inputs.items()})
+        path = os.path.join(ctx['out'], 'probe.mlpackage')
+        model = ct.convert(prog, convert_to='mlprogram', compute_precision=ct.precision.FLOAT16,
+                           minimum_deployment_target=ct.target.macOS13)
+        model.save(path)
+        m = ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE)
+        y = m.predict(inputs)['y']
+        rec = dict(ms=m.last_predict_duration_in_nano_seconds / 1e6, finite=bool(np.isfinite(y).all()),
+                   placement=export_ane.macos_placement(m.get_compiled_model_path()))
+        if name.startswith('long sum'):
+            exact = inputs['x'].astype(np.float64).sum(0)
+            rec['relative_error'] = float(np.abs(y.reshape(-1) - exact).max() / np.abs(exact).max())
+        if name.startswith('overflow'):
+            rec['values'] = sorted({str(v) for v in np.asarray(y).reshape(-1)})[:3]  # IEEE: nan (inf * 0)
+        out[name] = rec
+    return out
+
+
+def programs(ctx):
+    """Export at the configured shapes (reused when already there), the report and the audit."""
+    import export_ane
+    cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
+    meta = None
+    try:
+        meta = export_ane.read_programs_meta(ctx['out'])
+    except hg.UserError:
+        pass
+    t0 = time.perf_counter()
+    if meta != export_ane.programs_meta(cfg, B, T, hg.ANE_PIECES):
+        export_ane.export_programs(cfg, B, T, ctx['out'])
+    reports = {p: export_ane.program_report(export_ane.load_coreml_program(export_ane.program_path(ctx['out'], p)))
+               for p in hg.ANE_PIECES}
+    st = export_ane.step_report(reports, cfg, B, T)
+    return dict(seconds=round(time.perf_counter() - t0, 2), ops=sum(r['ops'] for r in reports.values()),
+                live_mib=round(st['live_bytes'] / 2**20), largest_dim=st['largest_dim'],
+                off_ane=sorted({k for r in reports.values() for k in r['off_ane']}),
+                matmul_ratio=round(st['matmul_flops'] / st['analytic_matmul_flops'], 4),
+                per_program={p: {k: r[k] for k in ('ops', 'flops', 'bytes_in', 'bytes_out', 'live_bytes', 'largest_dim')}
+                             for p, r in reports.items()})
+
+
+def coreml(ctx):
+    """macOS: each program compiled into the cache (was it there?), loaded on CPU_AND_NE, its
+    placement, one timed call (Core ML's own time beside the wall time: the difference is the
+    Python side's copies), and the same call on CPU_ONLY."""
+    import export_ane
+    ct = hg.import_coremltools()
+    cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
+    out = {}
+    for piece in hg.ANE_PIECES:
+        t0 = time.perf_counter()
+        compiled, cached = export_ane.compiled_model(ctx['out'], piece)
+        t1 = time.perf_counter()
+        ct.models.CompiledMLModel(compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
+        rec = dict(cached=cached, compile_s=round(t1 - t0, 2), load_s=round(time.perf_counter() - t1, 2),
+                   placement=export_ane.macos_placement(compiled))
+        inputs = {k: (np.random.default_rng(0).standard_normal(s) * 0.1).astype(np.float32)
+                  for k, s in hg.piece_input_shapes(cfg, B, T, piece).items()}
+        for units in ('CPU_AND_NE', 'CPU_ONLY'):
+            m = ct.models.MLModel(export_ane.program_path(ctx['out'], piece), compute_units=getattr(ct.ComputeUnit, units))
+            m.predict(inputs)  # the first call may still specialize
+            t0 = time.perf_counter()
+            m.predict(inputs)
+            rec[units] = dict(wall_ms=round(1e3 * (time.perf_counter() - t0), 2),
+                              coreml_ms=round(m.last_predict_duration_in_nano_seconds / 1e6, 2))
+        out[piece] = rec
+    return out
+
+
+def gradients(ctx):
+    """The chained programs (Core ML on macOS, the NumPy evaluator elsewhere) against fp64
+    autograd on one random microbatch: the worst cosine over every parameter's gradient."""
+    import export_ane
+    cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
+    torch.manual_seed(0)
+    model = hg.GPT(cfg).double()
+    idx, targets = (torch.randint(0, cfg.vocab_size, (B, T)) for _ in range(2))
+    _, loss = model(idx, targets)
+    loss.backward()
+    engine = export_ane.open_programs(ctx['out'], scaler=hg.LossScaler(hg.Config.ane_loss_scale, 0))
+    engine.load_weights(dict(model.named_parameters()))
+    t0 = time.perf_counter()
+    l, grads = engine.loss_and_grads(idx, targets)
+    cos = {k: torch.nn.functional.cosine_similarity(grads[k].double().flatten(), p.grad.flatten(), dim=0).item()
+           for k, p in model.named_parameters() if not k.endswith('attn.c_attn.bias')}  # (its key third is 0)
+    worst = min(cos, key=cos.get)
+    return dict(worst_cosine=round(cos[worst], 6), worst=worst, loss=round(l.item(), 5),
+                reference_loss=round(loss.item(), 5), finite=hg.grads_finite(grads), seconds=round(time.perf_counter() - t0, 2),
+                largest_output=engine.scaler.peak, passed=cos[worst] >= 0.999)
+
+
+def concurrency(ctx):
+    """macOS: the GPU engine (MPS) and the ANE worker (Core ML), each alone and beside the other."""
+    import ane_worker
+    return ane_worker.overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], torch.device('mps'),
+                              evaluator='coreml', programs=ctx['out'], gpu_iters=10, ane_iters=3)
+
+
+def energy(ctx):
+    """macOS with powermetrics: the watts of CPU, GPU and ANE while each engine runs alone."""
+    import ane_worker
+    return ane_worker.overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], torch.device('mps'),
+                              evaluator='coreml', programs=ctx['out'], gpu_iters=10, ane_iters=3, watts=True)
+
+
+def projection(ctx):
+    """From the measured times: tokens/s of gpu, ane and hetero (each engine's rate while the
+    other runs, summed), the share of microbatches auto would give the ANE; and the memory a
+    run of these settings takes against this machine's."""
+    cfg = hg.Config(**ctx['cfg'], batch_size=ctx['gpu_batch'], ane_batch_size=ctx['B'])
+    mem = memory_estimate(cfg, 'hetero', torch.device('mps' if hg.ON_MAC else 'cpu'), torch.float32)
+    out = dict(memory_gib=round(mem['total'] / 2**30, 2), machine_gib=round(total_memory() / 2**30, 1),
+               memory=mem)
+    times = (ctx.get('results') or {}).get('concurrency')
+    if times:
+        tok = ctx['gpu_batch'] * ctx['T']
+        r_gpu, r_ane = tok / times['gpu_beside'], tok / times['ane_beside']
+        out |= dict(gpu_tokens_per_s=round(tok / times['gpu_alone']), ane_tokens_per_s=round(tok / times['ane_alone']),
+                    hetero_tokens_per_s=round(r_gpu + r_ane), ane_share=round(r_ane / (r_gpu + r_ane), 3))
+    else:
+        out['tokens_per_s'] = 'needs macOS (the concurrency stage)'
+    return out
+
+
+# ---- the memory a run takes
+
+RUNTIME = 2**27  # what a process running PyTorch holds beyond its tensors (84 MiB measured on Linux, rounded up)
+
+
+def memory_estimate(cfg, mode, device, dtype):
+    """Bytes each engine holds at its peak, by part; 'gpu', 'ane' and 'total' (what the host's
+    memory must hold: all of it on a Mac, whose GPU shares it).
+    GPU engine (autograd): fp32 weights, gradients and AdamW's two moments, 16 bytes a
+    parameter (and autocast's half copies of the weights); the values autograd keeps for one
+    microbatch of N = B*T tokens, 20 per token and channel and layer (the inputs of both
+    layernorms and of the four linear layers, q k v and their contiguous copies, the
+    attention output, the MLP's 4C hidden and its GELU), 4 bytes each in fp32 or ~2.2 under
+    autocast; the logits, 16 bytes each (logits, log-softmax, their gradients, fp32).
+    ANE worker: its shared memory and its own fp32 copies (weights and gradients twice, 16
+    bytes a parameter), each block's input (L + 2 rows of N C), its largest program's live
+    memory (the head's logits and softmax, fp16), and a process of its own."""
+    P = sum(p.numel() for n, p in hg.GPT_param_shapes(cfg).items() if n != 'lm_head.weight')
+    C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    N, half = cfg.batch_size * cfg.block_size, dtype in (torch.float16, torch.bfloat16)
+    parts = {}
+    if mode in ('gpu', 'hetero'):
+        parts['gpu_state'] = 16 * P + (2 * P if half else 0)
+        parts['gpu_activations'] = L * 20 * N * C * (2.2 if half else 4) + 16 * N * V
+        parts['gpu_runtime'] = RUNTIME
+    if mode in ('ane', 'hetero'):
+        import export_ane
+        n = export_ane.ane_batch(cfg) * cfg.block_size
+        rows, spans = hg.vocab_chunks(V)
+        parts['ane_buffers'] = 16 * P + 4 * (L + 2) * n * C
+        parts['ane_programs'] = 2 * 2 * n * rows * len(spans)
+        parts['ane_runtime'] = RUNTIME
+    parts = {k: int(v) for k, v in parts.items()}
+    parts['gpu'] = sum(v for k, v in parts.items() if k.startswith('gpu_'))
+    parts['ane'] = sum(v for k, v in parts.items() if k.startswith('ane_'))
+    on_host = hg.ON_MAC or device.type == 'cpu'  # unified memory: the GPU's is the host's
+    parts['total'] = parts['ane'] + (parts['gpu'] if on_host else 0)
+    return parts
+
+
+def preflight(cfg, mode, device, dtype, log=print):
+    """Before the first step: refuses a run whose estimate passes 90% of this machine's memory
+    (naming the settings to lower), warns past 70% (it would swap under other load)."""
+    mem, have = memory_estimate(cfg, mode, device, dtype), total_memory()
+    if device.type == 'cuda' and mode != 'ane':
+        gpu_have = torch.cuda.get_device_properties(device).total_memory
+        if mem['gpu'] > 0.9 * gpu_have:
+            raise hg.UserError(f"the GPU engine would need ~{mem['gpu'] / 2**30:.1f} GiB on {device}, which has "
+                               f"{gpu_have / 2**30:.1f}: lower --batch_size (the microbatch) or the model")
+    need = mem['total']
+    if need > 0.9 * have:
+        raise hg.UserError(f"this run would need ~{need / 2**30:.1f} GiB of this machine's {have / 2**30:.1f} GiB "
+                           f"(GPU engine {mem['gpu'] / 2**30:.1f}, ANE engine {mem['ane'] / 2**30:.1f}): lower "
+                           "--batch_size (and --gradient_accumulation_steps up to keep the step), --ane_batch_size, "
+                           "or the model (--n_layer, --n_embd, --block_size)")
+    if need > 0.7 * have:
+        log(f"warning: this run needs ~{need / 2**30:.1f} GiB of {have / 2**30:.1f} GiB: with other programs "
+            "open it may swap; a smaller --batch_size or --ane_batch_size takes less")
+    return mem
+
+
+def main(cfg, B, T, out, gpu_batch, report, timeout, log=print):
+    """export_ane.py --check: every stage, then the report. Returns 0 if every stage that ran passed."""
+    ctx = dict(cfg=dataclasses.asdict(cfg), B=B, T=T, out=out, gpu_batch=gpu_batch)
+    records = run_all(ctx, STAGES, timeout, log)
+    write_report(records, ctx, report)
+    grads = next((r for r in records if r['name'] == 'gradients'), {})
+    log(f"wrote {report} and {os.path.splitext(report)[0] + '.md'}")
+    bad = [r['name'] for r in records if r['status'] not in ('ok', 'needs macOS')]
+    if grads.get('status') == 'ok' and not grads['result']['passed']:
+        bad.append('gradients (worst cosine below 0.999)')
+    if bad:
+        log("FAILED: " + ', '.join(bad))
+    return 1 if bad else 0
