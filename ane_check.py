@@ -345,7 +345,7 @@ def memory_estimate(cfg, mode, device, dtype):
     parts = {k: int(v) for k, v in parts.items()}
     parts['gpu'] = sum(v for k, v in parts.items() if k.startswith('gpu_'))
     parts['ane'] = sum(v for k, v in parts.items() if k.startswith('ane_'))
-    on_host = hg.ON_MAC or device.type == 'cpu'  # unified memory: the GPU's is the host's
+    on_host = device.type in ('cpu', 'mps')  # a Mac's GPU shares the host's memory
     parts['total'] = parts['ane'] + (parts['gpu'] if on_host else 0)
     return parts
 

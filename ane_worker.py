@@ -268,3 +268,64 @@ def _shutdown(proc, conn, bufs):
         proc.kill()
         proc.join()
     bufs.close()
+
+
+def overlap(cfg, gpu_batch, ane_batch, device, evaluator='eager', programs=None, gpu_iters=30, ane_iters=5,
+            watts=False, dtype=torch.float32, ane_dtype='float32', threads=None, ane_microbatch=None):
+    """The Mac's structure, timed: the GPU engine (autograd on `device`, gpu_batch sequences a
+    microbatch) in this process, the worker (`evaluator`, ane_microbatch sequences a call, run
+    ane_batch at a time) in its own; each alone, then each while the other computes, in one
+    run. Medians in seconds: {gpu,ane}_{alone,beside}; exchange_{alone,beside}: this side's wall
+    time per call minus the worker's own; with watts, each part's watts (powermetrics) alone."""
+    import threading
+    import energy
+    ane_microbatch = ane_microbatch or gpu_batch
+    torch.manual_seed(0)
+    model = hg.GPT(cfg).to(device)
+    gpu = hg.AutogradEngine(model, device, dtype)
+    spec = dict(cfg=dataclasses.asdict(cfg), B=ane_batch, T=cfg.block_size, max_batch=ane_microbatch,
+                evaluator=evaluator, dtype=ane_dtype, threads=threads or max(1, hg.CPU_THREADS - 1), programs=programs)
+    w = WorkerEngine(spec, hg.LossScaler(1.0, 0, enabled=False))
+    rand = lambda b: tuple(torch.randint(0, cfg.vocab_size, (b, cfg.block_size)) for _ in range(2))
+    gb, ab = rand(gpu_batch), rand(ane_microbatch)
+    w.load_weights(dict(model.named_parameters()))
+    phase, exchanges = ['warm-up'], {}
+
+    def timed(engine, batch, n, stop=None):  # n calls, or until stop is set
+        out = []
+        while len(out) < n or (stop is not None and not stop.is_set()):
+            t0 = time.perf_counter()
+            float(engine.loss_and_grads(*batch)[0])  # waits for the device (releases the GIL)
+            out.append(time.perf_counter() - t0)
+            if engine is w:
+                exchanges.setdefault(phase[0], []).append(out[-1] - w.per_seq[-1] * batch[0].shape[0])
+            if stop is None and len(out) >= n:
+                break
+        return out
+
+    try:
+        timed(gpu, gb, 3), timed(w, ab, 1)  # warm-up: kernels, the allocator, the worker's first call
+        phase[0], res, power = 'alone', {}, {}
+        for name, engine, batch, n in (('gpu', gpu, gb, gpu_iters), ('ane', w, ab, ane_iters)):
+            meter = energy.PowermetricsMeter() if watts else None
+            t0, before = time.perf_counter(), dict(meter.parts) if meter else {}
+            res[f'{name}_alone'] = timed(engine, batch, n)
+            if meter:
+                dt = time.perf_counter() - t0
+                power[f'{name}_alone_watts'] = {k: round((v - before.get(k, 0.0)) / dt, 2) for k, v in meter.parts.items()}
+                meter.close()
+        phase[0] = 'beside'
+        for busy, measured in (((w, ab), (gpu, gb, gpu_iters, 'gpu')), ((gpu, gb), (w, ab, ane_iters, 'ane'))):
+            stop = threading.Event()
+            bg = threading.Thread(target=timed, args=(*busy, 1, stop))
+            bg.start()
+            time.sleep(0.5)  # the other engine well under way
+            res[f'{measured[3]}_beside'] = timed(*measured[:3])
+            stop.set()
+            bg.join()
+    finally:
+        w.close()
+    out = {k: float(np.median(v)) for k, v in res.items()}
+    out |= {f'{k}_spread': float(np.std(v) / np.median(v)) for k, v in res.items() if k.endswith('alone')}
+    out |= {f'exchange_{k}': float(np.median(v)) for k, v in exchanges.items() if k != 'warm-up'}
+    return out | power | dict(gpu_label=gpu.label, ane_label=w.label)

@@ -69,6 +69,7 @@ class PowermetricsMeter:
             ['sudo', '-n', 'powermetrics', '--samplers', 'cpu_power,gpu_power,ane_power',
              '-i', str(interval_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.dt, self.total, self.name = interval_ms / 1000, 0.0, "powermetrics (CPU+GPU+ANE)"
+        self.parts = dict(CPU=0.0, GPU=0.0, ANE=0.0)  # joules of each, as the total
         self.pattern = re.compile(r'^(CPU|GPU|ANE) Power: (\d+) mW')
         first = threading.Event()
 
@@ -77,6 +78,7 @@ class PowermetricsMeter:
                 m = self.pattern.match(line)
                 if m:
                     self.total += int(m.group(2)) / 1000 * self.dt
+                    self.parts[m.group(1)] += int(m.group(2)) / 1000 * self.dt
                     first.set()
         threading.Thread(target=reader, daemon=True).start()
         if not first.wait(5):
@@ -85,6 +87,9 @@ class PowermetricsMeter:
 
     def joules(self):
         return self.total
+
+    def close(self):
+        self.proc.kill()
 
 
 class EnergyMeter:

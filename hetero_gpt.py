@@ -145,6 +145,9 @@ class Config(GPTConfig):
 CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8,
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
+# On a Mac: the same 32 sequences a step in microbatches of 4, so that GPT-2 124M in hetero
+# mode fits a 16 GB Mac (ane_check.memory_estimate: ~11 GiB; 8 would take ~17); a larger Mac can raise it.
+MAC_DEFAULTS = dict(batch_size=4, gradient_accumulation_steps=8)
 
 
 # -----------------------------------------------------------------------------
@@ -1313,6 +1316,8 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
 def build_run(cfg, device, dtype, mode, log=print):
     """What a training run (and each bench.py mode) needs: the model (fp32 master weights,
     fp64 under --dtype float64), AdamW, the mode's engines, the step, a meter."""
+    import ane_check
+    ane_check.preflight(cfg, mode, device, dtype, log)  # refuses a run that will not fit in memory
     model = GPT(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
     optimizer = make_optimizer(model, cfg, device)
     engines = build_engines(cfg, model, device, dtype, mode, log)

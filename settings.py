@@ -97,13 +97,13 @@ def check(cfg, given, log=print):
     settings the user did not give."""
     import hetero_gpt as hg
     device = resolve_device(cfg.device)
-    if device.type == 'cpu':
-        changed = {k: v for k, v in hg.CPU_DEFAULTS.items() if k not in given}
-        for k, v in changed.items():
-            setattr(cfg, k, v)
-        if changed:
-            log("no GPU: small model and short run for the CPU (any flag overrides): "
-                + ' '.join(f'{k}={v}' for k, v in changed.items()))
+    defaults, why = ((hg.CPU_DEFAULTS, "no GPU: small model and short run for the CPU") if device.type == 'cpu' else
+                     (hg.MAC_DEFAULTS, "on a Mac: microbatches that fit a 16 GB one") if hg.ON_MAC else ({}, ''))
+    changed = {k: v for k, v in defaults.items() if k not in given}
+    for k, v in changed.items():
+        setattr(cfg, k, v)
+    if changed:
+        log(f"{why} (any flag overrides): " + ' '.join(f'{k}={v}' for k, v in changed.items()))
     if cfg.mode == 'auto':
         cfg.mode = 'hetero' if hg.ON_MAC else 'gpu'
     if cfg.mode not in ('gpu', 'ane', 'hetero'):

@@ -1,0 +1,30 @@
+"""A CPU training run's peak memory beside ane_check.memory_estimate (tests/test_check.py):
+python tests/memory_probe.py L C T B V prints the measured and estimated bytes."""
+import os
+import resource
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ane_check  # noqa: E402
+import hetero_gpt as hg  # noqa: E402
+
+
+def rss():  # this process's resident memory now (Linux)
+    with open('/proc/self/status') as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmRSS'))
+
+
+if __name__ == '__main__':
+    L, C, T, B, V = map(int, sys.argv[1:6])
+    cfg = hg.Config(n_layer=L, n_head=4, n_embd=C, block_size=T, batch_size=B, vocab_size=V,
+                    gradient_accumulation_steps=1)
+    torch.manual_seed(0)
+    batch = [tuple(torch.randint(0, V, (B, T)) for _ in range(2))]
+    base = rss()  # PyTorch imported, nothing of the run made yet
+    model, opt, engines, step, meter = hg.build_run(cfg, torch.device('cpu'), torch.float32, 'gpu', log=lambda s: None)
+    for _ in range(3):
+        step.update(step(batch))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+    print(peak - base, ane_check.memory_estimate(cfg, 'gpu', torch.device('cpu'), torch.float32)['total'])
