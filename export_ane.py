@@ -69,19 +69,23 @@ def is_sum(op):
     return op.op_type == 'matmul' and any(op.inputs[k].val is not None for k in ('x', 'y'))
 
 
+def last_use(f):
+    """Variable name -> the index of the last op that reads it (the program's outputs: past the end)."""
+    last = {}
+    for i, op in enumerate(f.operations):
+        for v in op.inputs.values():
+            for u in v if isinstance(v, (list, tuple)) else [v]:
+                last[u.name] = i
+    return last | {v.name: len(f.operations) for v in f.outputs}
+
+
 def live_bytes(f):
     """An estimate of a program's largest live memory: walking its ops in order, each
     tensor (fp16, 2 bytes an element; inputs from the start) lives from the op that makes it
     to the last op that reads it; the largest sum over that walk. Core ML plans its own
     memory and may reuse or split buffers: this is the plan without reuse across ops."""
     size = lambda v: int(np.prod(v.shape)) * 2 if hasattr(v, 'shape') else 0
-    last = {}
-    for i, op in enumerate(f.operations):
-        for v in op.inputs.values():
-            for u in v if isinstance(v, (list, tuple)) else [v]:
-                last[u.name] = i
-    for v in f.outputs:
-        last[v.name] = len(f.operations)
+    last = last_use(f)
     alive = {v.name: size(v) for v in f.inputs.values()}
     peak = total = sum(alive.values())
     for i, op in enumerate(f.operations):
@@ -312,7 +316,7 @@ ANE_MATMUL_MAX = 32752.0
 def numpy_predict(prog, ane=False):
     """A stand-in for Core ML's predict off macOS: evaluates the program op by op in NumPy,
     each op's result rounded to the dtype the program declares (fp16 here), through the
-    ops' own value_inference. Slow; for checking the program, not for training.
+    ops' own value_inference, each value freed after its last reader. Slow; for checks, not training.
     matmul: fp16 operands, fp32 accumulation (as the ANE; its products are rounded to fp16
     first, which this does not imitate), one rounding of the result.
     ane=True imitates what is known of the ANE's fp16 (ANE_NOTES section 2), the rest as
@@ -343,6 +347,10 @@ def numpy_predict(prog, ane=False):
         acc = acc / np.float16(len(x)) if mean else acc
         return (np.expand_dims(acc, kw['axes'][0]) if kw.get('keep_dims') else acc,)
 
+    frees = collections.defaultdict(list)  # op index -> the values no later op reads: freed after it
+    for name, i in last_use(f).items():
+        frees[i].append(name)
+
     def predict(inputs):
         env = {}
         for name, var in f.inputs.items():
@@ -354,7 +362,7 @@ def numpy_predict(prog, ane=False):
         def val(v):
             return env[v.name] if v.name in env else v.val
         with Function({}, opset_version=f.opset_version), np.errstate(over='ignore' if ane else np.geterr()['over']):
-            for op in f.operations:
+            for i, op in enumerate(f.operations):
                 if op.op_type == 'const':
                     env[op.outputs[0].name] = op.outputs[0].val
                     continue
@@ -374,6 +382,8 @@ def numpy_predict(prog, ane=False):
                     if ane and r.dtype == np.float16:  # saturate: +-inf -> +-65504 (np.clip is 10x slower)
                         inf = np.isinf(r)
                         r[inf] = np.copysign(FP16_MAX, r[inf])
+                for name in frees[i]:
+                    env.pop(name, None)
         return {o.name: env[o.name] for o in f.outputs}
     return predict
 

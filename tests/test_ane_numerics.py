@@ -26,20 +26,6 @@ class SquareOps(hg.MILOps):
     layernorm_forward = hg.Derivation.layernorm_forward
 
 
-def program(fn, **shapes):
-    """A MIL program of fn(**fp16 inputs of these shapes) -> {output name: MILTensor}."""
-    ct = hg.import_coremltools()
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import Function, Program, types
-    with Function({k: mb.placeholder(shape=s, dtype=types.fp16) for k, s in shapes.items()},
-                  opset_version=ct.target.macOS13) as f:
-        out = fn(**{k: hg.MILTensor(v) for k, v in f.inputs.items()})
-        f.set_outputs([mb.identity(x=v.v, name=k) for k, v in out.items()])
-    prog = Program()
-    prog.add_function('main', f)
-    return prog
-
-
 def cosine(a, b):
     return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
@@ -151,7 +137,7 @@ def test_sums_as_reduce_sum_lose_accuracy(what):
         ref = np.log(np.exp(x.astype(np.float64)).sum(-1, keepdims=True))
     err = {}
     for ops in (ReduceOps, hg.MILOps):
-        out = export_ane.numpy_predict(program(lambda x: {'y': fn(ops(), x)}, x=x.shape), ane=True)({'x': x})['y']
+        out = export_ane.numpy_predict(export_ane.mil_program(lambda x: {'y': fn(ops(), x)}, x=x.shape), ane=True)({'x': x})['y']
         err[ops.__name__] = np.abs(out - ref).max() / np.abs(ref).max()
     print(f"{what}: max relative error {err['ReduceOps']:.2e} as reduce_sum, {err['MILOps']:.2e} as a matmul "
           f"({err['ReduceOps'] / err['MILOps']:.0f}x)")
@@ -182,7 +168,7 @@ def test_layernorm_of_rows_past_rms_256():
         y, cache = ops.layernorm_forward(x, w, b)
         dx, dw, db = ops.layernorm_backward(dy, w, cache)
         return dict(y=y, dx=dx, dw=dw, db=db)
-    prog = {name: program(lambda **i: step(ops, **i), x=x.shape, w=w.shape, b=b.shape, dy=dy.shape)
+    prog = {name: export_ane.mil_program(lambda **i: step(ops, **i), x=x.shape, w=w.shape, b=b.shape, dy=dy.shape)
             for name, ops in (('old', SquareOps()), ('new', hg.MILOps()))}
     out = {name: export_ane.numpy_predict(p, ane=True)(dict(x=x, w=w, b=b, dy=dy)) for name, p in prog.items()}
     rel = {name: {k: (np.abs(o[k] - ref[k].numpy()).max() / ref[k].abs().max()).item() for k in ref}

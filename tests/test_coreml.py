@@ -91,20 +91,8 @@ def test_flops_for_gpt2_124m_analytic_within_2_percent():
 def test_live_memory_estimate_by_hand():
     # y = (x * x) + x on a (4, 8) fp16 input (64 B a tensor): x and x*x live until the add,
     # whose result makes 3 x 64 B live; after it only the sum (then its identity, the output)
-    prog = export_ane_program(lambda x: {'y': x * x + x}, x=(4, 8))
+    prog = export_ane.mil_program(lambda x: {'y': x * x + x}, x=(4, 8))
     assert export_ane.live_bytes(prog.functions['main']) == 3 * 64
-
-
-def export_ane_program(fn, **shapes):
-    ct = hg.import_coremltools()
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import Function, Program, types
-    with Function({k: mb.placeholder(shape=s, dtype=types.fp16) for k, s in shapes.items()},
-                  opset_version=ct.target.macOS13) as f:
-        f.set_outputs([mb.identity(x=v.v, name=k) for k, v in fn(**{k: hg.MILTensor(v) for k, v in f.inputs.items()}).items()])
-    prog = Program()
-    prog.add_function('main', f)
-    return prog
 
 
 def test_programs_past_the_ane_memory_are_refused(tmp_path, monkeypatch, capsys):
