@@ -16,6 +16,7 @@ are refused. --check runs the staged self-check (ane_check.py) and writes ane_ch
 import argparse
 import collections
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -384,7 +385,10 @@ def numpy_predict(prog, ane=False):
                         r[inf] = np.copysign(FP16_MAX, r[inf])
                 for name in frees[i]:
                     env.pop(name, None)
-        return {o.name: env[o.name] for o in f.outputs}
+        out = {o.name: env[o.name] for o in f.outputs}
+        del env
+        gc.collect()  # the MIL ops made above hold their values in reference cycles: free them now
+        return out
     return predict
 
 
