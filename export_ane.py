@@ -463,7 +463,7 @@ def main(argv=None):
     p.add_argument('--out', default='ane_programs', help="the folder to save the programs in")
     p.add_argument('--whole_step', action='store_true', help="the whole step as one program, to compare")
     p.add_argument('--check', action='store_true', help="the staged self-check (ane_check.py): what the ANE path does here")
-    p.add_argument('--gpu_batch', type=int, default=0, help="with --check: the GPU engine's microbatch (default: the trainer's)")
+    p.add_argument('--gpu_batch', type=int, default=0, help="with --check: the GPU engine's microbatch (default: the trainer's on a Mac)")
     p.add_argument('--check_report', default='ane_check.json', help="with --check: the report (and its .md summary)")
     p.add_argument('--stage_timeout', type=float, default=3600.0, help="with --check: seconds a stage may take")
     a = p.parse_args(argv)
@@ -472,7 +472,7 @@ def main(argv=None):
         B, T = a.microbatch, a.seq_len or a.block_size
         if a.check:  # the programs are exported by its own stage, in a process of their own
             import ane_check
-            gpu_batch = a.gpu_batch or hg.MAC_DEFAULTS['batch_size'] if hg.ON_MAC else a.gpu_batch or hg.Config.batch_size
+            gpu_batch = a.gpu_batch or hg.MAC_DEFAULTS['batch_size']  # (what the trainer uses on a Mac)
             return ane_check.main(cfg, B, T, a.out, gpu_batch, a.check_report, a.stage_timeout)
         t0 = time.perf_counter()
         reports = export_programs(cfg, B, T, a.out, a.whole_step)
