@@ -14,12 +14,10 @@ ane_check.json (paste it into a bug report), a summary to ane_check.md.
 import dataclasses
 import importlib
 import json
-import math
 import multiprocessing
 import os
 import platform
 import subprocess
-import sys
 import time
 
 import numpy as np

@@ -24,7 +24,6 @@ import sys
 import time
 
 import numpy as np
-import torch
 
 import hetero_gpt as hg
 import settings
@@ -386,7 +385,7 @@ def numpy_predict(prog, ane=False):
                 for name in frees[i]:
                     env.pop(name, None)
         out = {o.name: env[o.name] for o in f.outputs}
-        del env
+        env.clear()
         gc.collect()  # the MIL ops made above hold their values in reference cycles: free them now
         return out
     return predict
