@@ -183,7 +183,8 @@ class WorkerEngine(hg.Engine):
     def __init__(self, spec, scaler, log=print, load_timeout=3600.0, timeout_factor=10.0, min_timeout=60.0):
         self.cfg, self.scaler, self.spec = hg.GPTConfig(**spec['cfg']), scaler, spec
         self.load_timeout, self.factor, self.min_timeout = load_timeout, timeout_factor, min_timeout
-        self.label, self.new_weights, self.per_seq = f"ANE worker ({spec['evaluator']})", False, []
+        self.label, self.new_weights = f"ANE worker ({spec['evaluator']})", False
+        self.seconds, self.slowest = None, 0.0  # the worker's own time of the last call; the slowest a sequence
         self.bufs = Buffers(self.cfg, spec['max_batch'], spec['T'])
         ctx = multiprocessing.get_context('spawn')
         self.conn, child = ctx.Pipe()
@@ -221,9 +222,9 @@ class WorkerEngine(hg.Engine):
             np.copyto(self.bufs.batch[i, :b], t.cpu().numpy())
         self.conn.send(('run', b, float(self.scaler.scale), self.new_weights))
         self.new_weights = False
-        timeout = max(self.min_timeout, self.factor * b * max(self.per_seq)) if self.per_seq else self.load_timeout
+        timeout = max(self.min_timeout, self.factor * b * self.slowest) if self.seconds is not None else self.load_timeout
         loss, peak, seconds = self._wait(timeout, f"computing {b} sequences")
-        self.per_seq.append(seconds / b)
+        self.seconds, self.slowest = seconds, max(self.slowest, seconds / b)
         self.scaler.peak = max(self.scaler.peak, peak)
         return torch.tensor(loss), {k: torch.from_numpy(v).clone() for k, v in self.bufs.g.items()}
 
@@ -298,7 +299,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, evaluator='eager', programs=None,
             float(engine.loss_and_grads(*batch)[0])  # waits for the device (releases the GIL)
             out.append(time.perf_counter() - t0)
             if engine is w:
-                exchanges.setdefault(phase[0], []).append(out[-1] - w.per_seq[-1] * batch[0].shape[0])
+                exchanges.setdefault(phase[0], []).append(out[-1] - w.seconds)
             if stop is None and len(out) >= n:
                 break
         return out

@@ -1284,6 +1284,12 @@ def eager_engine_class(cfg, device):
     return EagerEngine
 
 
+def ane_placement(cfg, device):
+    """(the ANE stand-in's device off a Mac, whether the ANE engine runs in a worker process)."""
+    ane_dev = device if cfg.ane_device == 'auto' or ON_MAC else resolve_device(cfg.ane_device, '--ane_device')
+    return ane_dev, cfg.ane_worker and (ON_MAC or ane_dev.type == 'cpu')
+
+
 def build_engines(cfg, model, device, dtype, mode, log=print):
     """The engines a mode needs: {'gpu': ..., 'ane': ...}."""
     engines = {}
@@ -1291,11 +1297,11 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile,
                                         scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
     if mode in ('ane', 'hetero'):
-        ane_dev = device if cfg.ane_device == 'auto' or ON_MAC else resolve_device(cfg.ane_device, '--ane_device')
+        ane_dev, in_worker = ane_placement(cfg, device)
         ane_dtype = torch.float16 if ON_MAC else resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
         scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=ane_dtype == torch.float16,
                             limit=ANE_OVERFLOW / 2)
-        if cfg.ane_worker and (ON_MAC or ane_dev.type == 'cpu'):  # out of this process's GIL
+        if in_worker:  # out of this process's GIL
             import ane_worker
             engines['ane'] = ane_worker.WorkerEngine(ane_worker.worker_spec(cfg, device, ane_dtype, log), scaler,
                                                      log, load_timeout=cfg.ane_load_timeout)

@@ -129,14 +129,11 @@ def check(cfg, given, log=print):
         raise UserError(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} counts all ranks' "
                         f"microbatches: use {os.environ['WORLD_SIZE']} or more")
     dtype, ane_dtype = resolve_dtype(cfg.dtype, device), resolve_dtype(cfg.ane_dtype, device, '--ane_dtype')
-    if cfg.ane_device != 'auto' and not hg.ON_MAC:
-        resolve_device(cfg.ane_device, '--ane_device')
     # the settings given that this run does not use, said once: a flag is never a silent no-op
     gpu16 = dtype == torch.float16 and cfg.mode != 'ane'  # which engines scale their loss
     ane16 = cfg.mode != 'gpu' and (hg.ON_MAC or ane_dtype == torch.float16)
     fp16 = gpu16 or ane16
-    ane_dev = device if cfg.ane_device == 'auto' or hg.ON_MAC else torch.device(cfg.ane_device)
-    worker = cfg.ane_worker and (hg.ON_MAC or ane_dev.type == 'cpu')  # as build_engines decides
+    worker = hg.ane_placement(cfg, device)[1]  # (and --ane_device checked)
     programs = cfg.mode != 'gpu' and (hg.ON_MAC or cfg.ane_evaluator == 'numpy')  # exported programs
     eager_here = cfg.mode != 'gpu' and not hg.ON_MAC and not worker and cfg.ane_evaluator == 'eager'
     moot = dict(ane_programs=not programs, ane_batch_size=cfg.mode == 'gpu' or eager_here,
