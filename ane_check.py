@@ -53,8 +53,8 @@ def run_stage(name, ctx, timeout, target=None):
     from ane_worker import exit_text
     mp = multiprocessing.get_context('spawn')
     conn, child = mp.Pipe()
-    proc = mp.Process(target=_child, args=(child, target or f'ane_check:{name}', ctx), name=f'check-{name}',
-                      daemon=True)
+    # not a daemon: a stage may start a process of its own (the ANE worker)
+    proc = mp.Process(target=_child, args=(child, target or f'ane_check:{name}', ctx), name=f'check-{name}')
     t0 = time.monotonic()
     proc.start()
     child.close()
@@ -130,10 +130,10 @@ def _summary(r):
         return r['error'].replace('|', '/')
     res = r.get('result') or {}
     if r['name'] == 'coreml':  # per program: where it runs, its load and its two timed calls
-        return '; '.join(f"{p}: ANE share {v['placement']['ane_share_of_ops']}, cached {v['cached']}, load "
-                         f"{v['load_s']} s, {v['CPU_AND_NE']['coreml_ms']} ms (CPU only {v['CPU_ONLY']['coreml_ms']})"
+        return '; '.join(f"{p}: ANE share {v['placement'].get('ane_share_of_ops', 'unavailable')}, cached "
+                         f"{v['cached']}, load {v['load_s']} s, {v['CPU_AND_NE_ms']} ms (CPU only {v['CPU_ONLY_ms']})"
                          for p, v in res.items())
-    keys = {'environment': ('os', 'chip', 'memory_gib', 'torch', 'coremltools', 'mps'),
+    keys = {'environment': ('os', 'chip', 'memory_gib', 'torch', 'coremltools', 'coreml_runtime', 'mps', 'powermetrics'),
             'programs': ('ops', 'live_mib', 'largest_dim', 'off_ane'),
             'gradients': ('worst_cosine', 'worst', 'loss', 'reference_loss'),
             'projection': ('gpu_tokens_per_s', 'ane_tokens_per_s', 'hetero_tokens_per_s', 'ane_share',
@@ -150,6 +150,7 @@ def total_memory():
 
 def environment(ctx):
     import numpy
+    import settings
     info = dict(os=platform.platform(), python=platform.python_version(), machine=platform.machine(),
                 cpus=os.cpu_count(), memory_gib=round(total_memory() / 2**30, 1), torch=torch.__version__,
                 numpy=numpy.__version__, mps=torch.backends.mps.is_available(), cuda=torch.cuda.is_available())
@@ -161,13 +162,26 @@ def environment(ctx):
         info['macos'] = platform.mac_ver()[0]
         info['chip'] = subprocess.run(['sysctl', '-n', 'machdep.cpu.brand_string'], capture_output=True,
                                       text=True).stdout.strip()
+        try:
+            settings.check_coreml()
+            info['coreml_runtime'] = 'ok'
+        except hg.UserError as e:
+            info['coreml_runtime'] = str(e)
         info['powermetrics'] = subprocess.run(['sudo', '-n', 'powermetrics', '-n', '1', '-i', '100', '--samplers',
                                                'cpu_power'], capture_output=True, timeout=30).returncode == 0
     return info
 
 
+# Core ML releases predict's inputs about a second after the call, off the GIL (coremltools
+# PRs #2827, #2829): the stages' inputs are kept here for the life of their process.
+KEPT = []
+
+
 def probes(ctx):
-    """macOS: tiny programs on CPU_AND_NE for what the design relies on (ANE_NOTES sections 2, 3)."""
+    """macOS: tiny programs on CPU_AND_NE for what the design relies on (coreml_and_ane.md
+    sections 2, 3), saved in a folder of their own."""
+    import shutil
+    import tempfile
     import export_ane
     ct = hg.import_coremltools()
     cfg, N = hg.GPTConfig(**ctx['cfg']), ctx['B'] * ctx['T']
@@ -185,24 +199,29 @@ def probes(ctx):
         'layernorm of rows of RMS ~1000': (lambda o, x, w, b: {'y': o.layernorm_forward(x, w, b)[0]},
                                            dict(x=rng.standard_normal((32, C)) * 1000 + 300, w=np.ones(C), b=np.zeros(C))),
     }
-    out = {}
-    for name, (fn, inputs) in cases.items():
-        inputs = {k: v.astype(np.float16).astype(np.float32) for k, v in inputs.items()}
-        prog = export_ane.mil_program(lambda **t: fn(ops(), **t), **{k: v.shape for k, v in inputs.items()})
-        path = os.path.join(ctx['out'], 'probe.mlpackage')
-        model = ct.convert(prog, convert_to='mlprogram', compute_precision=ct.precision.FLOAT16,
-                           minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
-        model.save(path)
-        m = ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE)
-        y = m.predict(inputs)['y']
-        rec = dict(ms=m.last_predict_duration_in_nano_seconds / 1e6, finite=bool(np.isfinite(y).all()),
-                   placement=export_ane.macos_placement(m.get_compiled_model_path()))
-        if name.startswith('long sum'):
-            exact = inputs['x'].astype(np.float64).sum(0)
-            rec['relative_error'] = float(np.abs(y.reshape(-1) - exact).max() / np.abs(exact).max())
-        if name.startswith('overflow'):
-            rec['values'] = sorted({str(v) for v in np.asarray(y).reshape(-1)})[:3]  # IEEE: nan (inf * 0)
-        out[name] = rec
+    out, folder = {}, tempfile.mkdtemp(prefix='heterogpt-probes-')
+    try:
+        for name, (fn, inputs) in cases.items():
+            inputs = {k: v.astype(np.float16).astype(np.float32) for k, v in inputs.items()}
+            KEPT.append(inputs)
+            prog = export_ane.mil_program(lambda **t: fn(ops(), **t), **{k: v.shape for k, v in inputs.items()})
+            path = os.path.join(folder, f'probe{len(out)}.mlpackage')
+            model = ct.convert(prog, convert_to='mlprogram', compute_precision=ct.precision.FLOAT16,
+                               minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
+            model.save(path)
+            m = ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE)
+            y = m.predict(inputs)['y']
+            rec = dict(ms=m.last_predict_duration_in_nano_seconds / 1e6, finite=bool(np.isfinite(y).all()),
+                       placement=export_ane.macos_placement(m.get_compiled_model_path()))
+            if name.startswith('long sum'):
+                exact = inputs['x'].astype(np.float64).sum(0)
+                rec['relative_error'] = float(np.abs(y.reshape(-1) - exact).max() / np.abs(exact).max())
+            if name.startswith('overflow'):
+                rec['values'] = sorted({str(v) for v in np.asarray(y).reshape(-1)})[:3]  # IEEE: nan (inf * 0)
+            out[name] = rec
+            del m
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
@@ -230,9 +249,9 @@ def programs(ctx):
 
 
 def coreml(ctx):
-    """macOS: each program compiled into the cache (was it there?), loaded on CPU_AND_NE, its
-    placement, one timed call (Core ML's own time beside the wall time: the difference is the
-    Python side's copies), and the same call on CPU_ONLY."""
+    """macOS: each program compiled into the trainer's cache (was it there?), loaded from it as
+    the trainer loads it, its placement, and the median of three timed calls on CPU_AND_NE and
+    on CPU_ONLY (wall time, the Python side's copies included)."""
     import export_ane
     ct = hg.import_coremltools()
     cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
@@ -240,19 +259,23 @@ def coreml(ctx):
     for piece in hg.ANE_PIECES:
         t0 = time.perf_counter()
         compiled, cached = export_ane.compiled_model(ctx['out'], piece)
-        t1 = time.perf_counter()
-        ct.models.CompiledMLModel(compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
-        rec = dict(cached=cached, compile_s=round(t1 - t0, 2), load_s=round(time.perf_counter() - t1, 2),
+        rec = dict(cached=cached, compile_s=round(time.perf_counter() - t0, 2),
                    placement=export_ane.macos_placement(compiled))
         inputs = {k: (np.random.default_rng(0).standard_normal(s) * 0.1).astype(np.float32)
                   for k, s in hg.piece_input_shapes(cfg, B, T, piece).items()}
+        KEPT.append(inputs)
         for units in ('CPU_AND_NE', 'CPU_ONLY'):
-            m = ct.models.MLModel(export_ane.program_path(ctx['out'], piece), compute_units=getattr(ct.ComputeUnit, units))
-            m.predict(inputs)  # the first call may still specialize
             t0 = time.perf_counter()
-            m.predict(inputs)
-            rec[units] = dict(wall_ms=round(1e3 * (time.perf_counter() - t0), 2),
-                              coreml_ms=round(m.last_predict_duration_in_nano_seconds / 1e6, 2))
+            m = ct.models.CompiledMLModel(compiled, compute_units=getattr(ct.ComputeUnit, units))
+            if units == 'CPU_AND_NE':
+                rec['load_s'] = round(time.perf_counter() - t0, 2)
+            m.predict(inputs)  # the first call may still specialize
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                m.predict(inputs)
+                times.append(time.perf_counter() - t0)
+            rec[f'{units}_ms'] = round(1e3 * float(np.median(times)), 2)
         out[piece] = rec
     return out
 
@@ -282,18 +305,17 @@ def gradients(ctx):
                 largest_output=engine.scaler.peak, passed=cos[worst] >= 0.999)
 
 
-def concurrency(ctx):
-    """macOS: the GPU engine (MPS) and the ANE worker (Core ML), each alone and beside the other."""
+def concurrency(ctx, watts=False):
+    """macOS: the GPU engine and the ANE worker (Core ML), each alone and beside the other. The
+    GPU engine's device is the trainer's default, resolve_device('auto'): MPS on a Mac."""
     import ane_worker
-    return ane_worker.overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], torch.device('mps'),
-                              evaluator='coreml', programs=ctx['out'], gpu_iters=10, ane_iters=3)
+    return ane_worker.overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], hg.resolve_device('auto'),
+                              evaluator='coreml', programs=ctx['out'], gpu_iters=10, ane_iters=3, watts=watts)
 
 
 def energy(ctx):
     """macOS with powermetrics: the watts of CPU, GPU and ANE while each engine runs alone."""
-    import ane_worker
-    return ane_worker.overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], torch.device('mps'),
-                              evaluator='coreml', programs=ctx['out'], gpu_iters=10, ane_iters=3, watts=True)
+    return concurrency(ctx, watts=True)
 
 
 def projection(ctx):
@@ -301,7 +323,7 @@ def projection(ctx):
     other runs, summed), the share of microbatches auto would give the ANE; and the memory a
     run of these settings takes against this machine's."""
     cfg = hg.Config(**ctx['cfg'], batch_size=ctx['gpu_batch'], ane_batch_size=ctx['B'])
-    mem = memory_estimate(cfg, 'hetero', torch.device('mps' if hg.ON_MAC else 'cpu'), torch.float32)
+    mem = memory_estimate(cfg, 'hetero', torch.device('mps' if hg.ON_MAC else 'cpu'), torch.float32)  # the Mac's run
     out = dict(memory_gib=round(mem['total'] / 2**30, 2), machine_gib=round(total_memory() / 2**30, 1),
                memory=mem)
     times = (ctx.get('results') or {}).get('concurrency')
@@ -328,7 +350,9 @@ def memory_estimate(cfg, mode, device, dtype):
     microbatch of N = B*T tokens, 20 per token and channel and layer (the inputs of both
     layernorms and of the four linear layers, q k v and their contiguous copies, the
     attention output, the MLP's 4C hidden and its GELU), 4 bytes each in fp32 or ~2.2 under
-    autocast; the logits, 16 bytes each (logits, log-softmax, their gradients, fp32).
+    autocast; the logits, 16 bytes each (logits, log-softmax, their gradients, fp32). On MPS
+    attention with grad takes the math path and keeps each layer's (B, H, T, T) fp32
+    probabilities (coreml_and_ane.md section 6).
     ANE worker: its shared memory and its own fp32 copies (weights and gradients twice, 16
     bytes a parameter), each block's input (L + 2 rows of N C), its largest program's live
     memory (the head's logits and softmax, fp16), and a process of its own."""
@@ -339,6 +363,8 @@ def memory_estimate(cfg, mode, device, dtype):
     if mode in ('gpu', 'hetero'):
         parts['gpu_state'] = 16 * P + (2 * P if half else 0)
         parts['gpu_activations'] = L * 20 * N * C * (2.2 if half else 4) + 16 * N * V
+        if device.type == 'mps':
+            parts['gpu_attention'] = 4 * L * N * cfg.n_head * cfg.block_size
         parts['gpu_runtime'] = RUNTIME
     if mode in ('ane', 'hetero'):
         import export_ane
@@ -376,10 +402,14 @@ def preflight(cfg, mode, device, dtype, log=print):
     return mem
 
 
-def main(cfg, B, T, out, gpu_batch, report, timeout, log=print):
-    """export_ane.py --check: every stage, then the report. Returns 0 if every stage that ran passed."""
+def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print):
+    """export_ane.py --check: every stage (or those named), then the report. Returns 0 if every
+    stage that ran passed."""
+    names = [n for n in stages.split(',') if n]
+    if unknown := [n for n in names if n not in [s[0] for s in STAGES]]:
+        raise hg.UserError(f"--stages {','.join(unknown)}: unknown; the stages are {', '.join(s[0] for s in STAGES)}")
     ctx = dict(cfg=dataclasses.asdict(cfg), B=B, T=T, out=out, gpu_batch=gpu_batch)
-    records = run_all(ctx, STAGES, timeout, log)
+    records = run_all(ctx, [s for s in STAGES if not names or s[0] in names], timeout, log)
     write_report(records, ctx, report)
     grads = next((r for r in records if r['name'] == 'gradients'), {})
     log(f"wrote {report} and {os.path.splitext(report)[0] + '.md'}")

@@ -1,7 +1,7 @@
 """
 The ANE engine in a worker process of its own.
 
-Core ML's predict and its model load hold the GIL for the whole call (ANE_NOTES section 1):
+Core ML's predict and its model load hold the GIL for the whole call (coreml_and_ane.md section 1):
 in a thread of the training process, every Core ML call would stop the GPU engine's Python,
 and the two engines would take turns. So the ANE engine (hetero_gpt.CoreMLEngine: its
 programs, chained, and the host's sparse work around them) runs in a worker process,
@@ -200,7 +200,7 @@ class WorkerEngine(hg.Engine):
             (self.label,) = self._wait(load_timeout, 'starting')
         except (WorkerFault, OSError) as e:
             self.close()
-            raise hg.UserError(f"the ANE worker could not start: {e}. Try --mode gpu, or --ane_worker false") from None
+            raise hg.UserError(f"the ANE worker could not start: {e}; --mode gpu trains without it") from None
 
     def load_weights(self, params):
         w = self.bufs.w
@@ -247,10 +247,10 @@ class WorkerEngine(hg.Engine):
 
     def _fault(self, text):
         self.close()
-        hint = ("a Neural Engine compile that failed kills the process at its first predict (coremltools #2758): "
-                "`python export_ane.py --check` tests the ANE path alone; a smaller --ane_batch_size makes smaller "
-                "programs") if hg.ON_MAC else "`python export_ane.py --check` tests the ANE programs alone"
-        return WorkerFault(f"{self.label} {text}; {hint}")
+        hint = ("; on a Mac that is what a failed Neural Engine compile does at the first predict (coremltools "
+                "#2758): `python export_ane.py --check` tests the ANE path alone, and a smaller --ane_batch_size "
+                "makes smaller programs") if hg.ON_MAC and 'SIGKILL' in text else ''
+        return WorkerFault(f"{self.label} {text}{hint}")
 
     def close(self):
         """Stops the worker (asked first, then killed) and frees the shared memory. Idempotent."""

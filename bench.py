@@ -23,13 +23,14 @@ class BenchConfig(hg.Config):
 def device_synchronize(device):
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
-    elif device.type == 'mps':  # torch.mps.synchronize() holds the GIL while it waits (ANE_NOTES
+    elif device.type == 'mps':  # torch.mps.synchronize() holds the GIL while it waits (coreml_and_ane.md
         torch.ones((), device=device).item()  # section 1); .item() waits for MPS's one queue without it
 
 
 def bench(cfg, given):
-    """The modes take turns (gpu, ane, hetero, gpu, ...) for bench_repeats rounds and each
-    reports its median round, so a drift of the GPU's clocks touches every mode alike."""
+    """Each mode in turn (gpu, ane, hetero) is built, warmed up, timed for bench_repeats rounds
+    (its median round reported) and freed before the next: on a Mac the three at once would
+    not fit the 16-24 GB that the GPU and the ANE share with the host."""
     if min(cfg.bench_iters, cfg.bench_repeats) < 1:
         raise hg.UserError("--bench_iters and --bench_repeats must be at least 1")
     device, dtype = hg.setup(cfg, given)
@@ -37,46 +38,39 @@ def bench(cfg, given):
     torch.manual_seed(cfg.seed)
     init = hg.GPT(hg.model_config(cfg)).state_dict()
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    runs, rounds, threads = {}, {}, {}
+    n_tok = tok_per_step * cfg.bench_iters * cfg.bench_repeats
+    rows = {}
     for mode in ('gpu', 'ane', 'hetero'):
         model, optimizer, engines, step, meter = hg.build_run(cfg, device, dtype, mode)
         model.load_state_dict(init)
-        runs[mode] = (optimizer, engines, step, meter)
-        threads[mode] = torch.get_num_threads()  # hetero with a CPU engine leaves a core free
-        rounds[mode] = dict(tok_s=[], joules=[], engine_s={}, step_s=[])
+        threads = torch.get_num_threads()  # hetero with a CPU engine leaves a core free
+        rd = dict(tok_s=[], joules=[], engine_s={}, step_s=[])
 
-    def sync():  # every engine's work done, so that a round's time holds all of it
-        for d in {device} | {e.device for _, engines, _, _ in runs.values() for e in engines.values()}:
-            device_synchronize(d)
+        def sync():  # every engine's work done, so that a round's time holds all of it
+            for d in {device} | {e.device for e in engines.values()}:
+                device_synchronize(d)
 
-    def train_step(mode, it):
-        _, _, step, _ = runs[mode]
-        torch.set_num_threads(threads[mode])
-        return step.update(step(hg.step_batches(cfg, data['train'], it)))
+        def train_step(it):
+            torch.set_num_threads(threads)
+            return step.update(step(hg.step_batches(cfg, data['train'], it)))
 
-    for mode in runs:  # warm-up: at least 5 steps and 3 seconds (clocks, allocator, the auto split)
-        w, start = 0, time.perf_counter()
+        w, start = 0, time.perf_counter()  # warm-up: at least 5 steps and 3 s (clocks, allocator, the auto split)
         while w < 5 or time.perf_counter() - start < 3.0:
-            train_step(mode, w)
+            train_step(w)
             w += 1
-    for r in range(cfg.bench_repeats):
-        for mode, (_, _, step, meter) in runs.items():
+        for r in range(cfg.bench_repeats):
             sync()
             t0, j0 = time.perf_counter(), meter.joules()
             for i in range(cfg.bench_iters):
                 t = time.perf_counter()
-                out = train_step(mode, 10**6 + r * cfg.bench_iters + i)  # the same batches in every mode
-                rounds[mode]['step_s'].append(time.perf_counter() - t)
+                out = train_step(10**6 + r * cfg.bench_iters + i)  # the same batches in every mode
+                rd['step_s'].append(time.perf_counter() - t)
                 for n, res in out['results'].items():
-                    rounds[mode]['engine_s'].setdefault(n, []).append(res['seconds'])
+                    rd['engine_s'].setdefault(n, []).append(res['seconds'])
             sync()
             dt, j = time.perf_counter() - t0, meter.joules()
-            rounds[mode]['tok_s'].append(tok_per_step * cfg.bench_iters / dt)
-            rounds[mode]['joules'].append(None if j is None else j - j0)
-    rows = {}
-    n_tok = tok_per_step * cfg.bench_iters * cfg.bench_repeats
-    for mode, (_, engines, step, meter) in runs.items():
-        rd = rounds[mode]
+            rd['tok_s'].append(tok_per_step * cfg.bench_iters / dt)
+            rd['joules'].append(None if j is None else j - j0)
         rows[mode] = dict(tok_s=statistics.median(rd['tok_s']), rounds=[round(x) for x in rd['tok_s']],
                           j_tok=None if None in rd['joules'] else sum(rd['joules']) / n_tok,
                           split=f"{step.split.current(step.alive)}/{step.split.n}" if mode == 'hetero' else '-',
@@ -85,6 +79,11 @@ def bench(cfg, given):
                           ms_step=1000 * statistics.median(rd['step_s']),
                           ms_engines={n: round(1000 * statistics.median(v), 1) for n, v in rd['engine_s'].items()})
         print(f"{mode}: {rows[mode]}")
+        meter.close()
+        for e in engines.values():  # the ANE worker's process and shared memory, now
+            if hasattr(e, 'close'):
+                e.close()
+        del model, optimizer, engines, step
     g = rows['gpu']
     print(f"\n{'mode':8} {'tokens/s':>10} {'x GPU-only':>10} {'J/token':>10} {'energy vs GPU':>14}  ANE share")
     for mode, r in rows.items():

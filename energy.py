@@ -1,13 +1,15 @@
 """
 Energy meters for HeteroEngine: joules() is the energy used so far (None where nothing is
 readable). hetero_gpt.py logs joules per token with them; bench.py compares modes.
-powermetrics on macOS (ANE_NOTES section 6), NVML on NVIDIA GPUs, RAPL on Linux CPUs.
+powermetrics on macOS (coreml_and_ane.md section 6), NVML on NVIDIA GPUs, RAPL on Linux CPUs.
 """
 import os
-import sys
+import re
+import subprocess
 import threading
+import time
 
-ON_MAC = sys.platform == 'darwin'
+from settings import ON_MAC  # the one check for macOS
 
 
 class NvmlMeter:
@@ -59,37 +61,51 @@ class RaplMeter:
 
 
 class PowermetricsMeter:
-    """macOS: CPU, GPU and ANE power sampled by powermetrics (needs root: sudo), integrated
-    over time in a background thread (ANE_NOTES section 6)."""
+    """macOS: CPU, GPU and ANE power sampled by powermetrics (root: sudo -n), each sample's
+    watts times its own elapsed time, summed in a background thread. The text output repeats
+    GPU Power in its GPU block: each part counts once a sample (coreml_and_ane.md section 6)."""
+    HEADER = re.compile(r'^\*\*\* Sampled system activity .*\(([\d.]+)\s*ms elapsed\)')
+    POWER = re.compile(r'^(CPU|GPU|ANE) Power: (\d+) mW')
 
-    def __init__(self, interval_ms=200):
-        import re
-        import subprocess
+    def __init__(self, interval_ms=200, wait_s=10.0):
+        # -b 1: line-buffered, or a pipe would hold many samples back
         self.proc = subprocess.Popen(
-            ['sudo', '-n', 'powermetrics', '--samplers', 'cpu_power,gpu_power,ane_power',
-             '-i', str(interval_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.dt, self.total, self.name = interval_ms / 1000, 0.0, "powermetrics (CPU+GPU+ANE)"
+            ['sudo', '-n', 'powermetrics', '--samplers', 'cpu_power,gpu_power,ane_power', '-i', str(interval_ms),
+             '-b', '1'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.total, self.name = 0.0, "powermetrics (CPU+GPU+ANE)"
         self.parts = dict(CPU=0.0, GPU=0.0, ANE=0.0)  # joules of each, as the total
-        self.pattern = re.compile(r'^(CPU|GPU|ANE) Power: (\d+) mW')
         first = threading.Event()
 
         def reader():
+            dt, seen = 0.0, set()
             for line in self.proc.stdout:
-                m = self.pattern.match(line)
-                if m:
-                    self.total += int(m.group(2)) / 1000 * self.dt
-                    self.parts[m.group(1)] += int(m.group(2)) / 1000 * self.dt
+                if m := self.HEADER.match(line):
+                    dt, seen = float(m.group(1)) / 1000, set()
+                elif (m := self.POWER.match(line)) and m.group(1) not in seen:
+                    seen.add(m.group(1))
+                    self.parts[m.group(1)] += int(m.group(2)) / 1000 * dt
+                    self.total += int(m.group(2)) / 1000 * dt
                     first.set()
         threading.Thread(target=reader, daemon=True).start()
-        if not first.wait(5):
-            self.proc.kill()
-            raise OSError("powermetrics gave no samples (run with sudo rights)")
+        deadline = time.monotonic() + wait_s
+        while not first.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = self.proc.stderr.read().strip().splitlines()[:1] if self.proc.poll() is not None else []
+                self.close()
+                raise OSError(f"powermetrics gave no samples ({why[0] if why else 'it needs sudo rights'})")
 
     def joules(self):
         return self.total
 
     def close(self):
-        self.proc.kill()
+        """SIGTERM: sudo passes it on to powermetrics (a SIGKILL would leave root's running)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 class EnergyMeter:
@@ -114,3 +130,8 @@ class EnergyMeter:
 
     def joules(self):
         return sum(m.joules() for m in self.meters) if self.meters else None
+
+    def close(self):
+        for m in self.meters:
+            if hasattr(m, 'close'):
+                m.close()

@@ -28,9 +28,9 @@ import numpy as np
 import hetero_gpt as hg
 import settings
 
-# Ops the ANE does not run (ANE_NOTES): Core ML moves them to the CPU, with transfers.
+# Ops the ANE does not run (coreml_and_ane.md section 2): Core ML moves them to the CPU.
 OFF_ANE_OPS = {'gather', 'gather_nd', 'gather_along_axis', 'scatter', 'scatter_nd', 'scatter_along_axis',
-               'one_hot', 'concat', 'split', 'gelu', 'while_loop', 'cond'}
+               'one_hot', 'gelu', 'while_loop', 'cond'}
 ELEMENTWISE_FLOPS = {'softmax': 5}  # max, subtract, exp, sum, divide per element
 
 
@@ -127,7 +127,7 @@ def step_report(reports, cfg, B, T):
 
 
 def check_ane_limits(reports, B):
-    """Refuses programs past what the ANE takes (ANE_NOTES sections 1, 2): a dimension over
+    """Refuses programs past what the ANE takes (coreml_and_ane.md sections 1, 2): a dimension over
     ANE_MAX_DIM, or live memory past ANE_MEMORY (there Core ML would run it on the CPU)."""
     for piece, r in reports.items():
         if r['largest_dim'] > hg.ANE_MAX_DIM:
@@ -139,7 +139,7 @@ def check_ane_limits(reports, B):
                                "(--ane_batch_size in the trainer)")
 
 
-PROGRAM_FORMAT = 5  # bump when a program changes (5: per-piece programs in one folder, with 'peak')
+PROGRAM_FORMAT = 6  # bump when a program changes (6: per-piece programs, the peaks as outputs)
 META = 'heterogpt.json'
 
 
@@ -253,16 +253,17 @@ def open_programs(path, predict=None, scaler=None):
                            scaler=scaler, label=label)
 
 
-def compiled_model(programs, piece, compile_fn=None):
+def compiled_model(programs, piece):
     """(path, cached): the program compiled (.mlmodelc) into programs/compiled/, once. The entry
     is keyed by a hash of the package's files and of coremltools' and the OS's versions, so a
-    changed program is compiled again and an unchanged one is loaded as it is; an entry is
-    complete once it holds DONE (compiled into a temporary name, then renamed), so one a
-    crash left half-written is compiled again. compile_fn(package, dest): coremltools'."""
+    changed program is compiled again and an unchanged one is loaded as it is. It is compiled
+    under a temporary name that ends in .mlmodelc, as compile_model requires (coreml_and_ane.md section 1),
+    marked DONE, then renamed: an entry without DONE, left by a crash, is compiled again."""
     import hashlib
     import platform
+    ct = hg.import_coremltools()
     pkg = program_path(programs, piece)
-    h = hashlib.sha256(f"{hg.import_coremltools().__version__} {platform.platform()}".encode())
+    h = hashlib.sha256(f"{ct.__version__} {platform.platform()} {platform.mac_ver()[0]}".encode())
     for root, dirs, files in sorted(os.walk(pkg)):
         dirs.sort()
         for name in sorted(files):
@@ -274,30 +275,48 @@ def compiled_model(programs, piece, compile_fn=None):
     if os.path.isfile(os.path.join(dest, 'DONE')):
         return dest, True
     os.makedirs(cache, exist_ok=True)
-    for old in os.listdir(cache):  # this piece's entries for other versions, and half-written ones
-        if old.startswith(piece + '-'):
+    for old in os.listdir(cache):  # this piece's other entries, and temporaries of processes that are gone
+        pid = old.split('.tmp')[-1].split('.')[0] if '.tmp' in old else ''
+        if old.startswith(piece + '-') or (old.startswith(f'.{piece}-') and not _alive(pid)):
             shutil.rmtree(os.path.join(cache, old), ignore_errors=True)
-    tmp = dest + f'.tmp{os.getpid()}'
-    (compile_fn or hg.import_coremltools().utils.compile_model)(pkg, tmp)
-    open(os.path.join(tmp, 'DONE'), 'w').close()
-    os.replace(tmp, dest)
+    tmp = os.path.join(cache, f'.{piece}-{h.hexdigest()[:16]}.tmp{os.getpid()}.mlmodelc')
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        ct.utils.compile_model(pkg, tmp)
+        open(os.path.join(tmp, 'DONE'), 'w').close()
+        os.replace(tmp, dest)
+    except OSError:  # another process put its copy there first
+        if not os.path.isfile(os.path.join(dest, 'DONE')):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest, False
 
 
-def load_compiled(programs, piece, load, compile_fn=None):
-    """load(path of the compiled program); a cached entry that fails to load is compiled again."""
-    path, cached = compiled_model(programs, piece, compile_fn)
+def _alive(pid):
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+
+
+def load_compiled(programs, piece, load):
+    """load(path of the compiled program); a cached entry that fails to load is compiled again, once."""
+    path, cached = compiled_model(programs, piece)
     try:
         return load(path)
     except Exception:
         if not cached:
             raise
         shutil.rmtree(path, ignore_errors=True)
-        return load(compiled_model(programs, piece, compile_fn)[0])
+        return load(compiled_model(programs, piece)[0])
 
 
 def load_coreml_program(path):
-    """The saved package read back into a MIL Program (works on Linux; ANE_NOTES section 5)."""
+    """The saved package read back into a MIL Program (works on Linux; coreml_and_ane.md section 5)."""
     ct = hg.import_coremltools()
     from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
     model = ct.models.MLModel(path, skip_model_load=True)
@@ -319,7 +338,7 @@ def numpy_predict(prog, ane=False):
     ops' own value_inference, each value freed after its last reader. Slow; for checks, not training.
     matmul: fp16 operands, fp32 accumulation (as the ANE; its products are rounded to fp16
     first, which this does not imitate), one rounding of the result.
-    ane=True imitates what is known of the ANE's fp16 (ANE_NOTES section 2), the rest as
+    ane=True imitates what is known of the ANE's fp16 (coreml_and_ane.md section 2), the rest as
     above: reduce_sum and reduce_mean add the terms one after another along the axis in fp16
     (every partial sum rounded: the worst case of a narrow accumulator; the mean divides that
     sum by n), and no result overflows to inf: matmul outputs saturate at +-ANE_MATMUL_MAX,
@@ -433,8 +452,11 @@ def print_report(reports, cfg, B, T):
 
 
 def macos_placement(compiled):
-    """macOS 14.4+: where Core ML placed a compiled program's ops: the share of ops and of the
-    estimated cost on the Neural Engine, and the ops elsewhere by name and device."""
+    """Where Core ML places a compiled program's ops (its compute plan, macOS 14.4+): the share
+    of ops and of the estimated cost on the Neural Engine, and the ops elsewhere by device."""
+    import platform
+    if settings.version(platform.mac_ver()[0]) < (14, 4):
+        return dict(unavailable=f"the compute plan needs macOS 14.4 (this is {platform.mac_ver()[0]})")
     ct = hg.import_coremltools()
     from coremltools.models.compute_plan import MLComputePlan
     plan = MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
@@ -457,7 +479,8 @@ def macos_placement(compiled):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     settings.add_flags(p, hg.GPTConfig)  # the model's flags, as hetero_gpt.py's
-    p.add_argument('--microbatch', type=int, default=hg.ANE_BATCH, help="sequences per call (B; the trainer's --ane_batch_size)")
+    p.add_argument('--microbatch', type=int, default=0, help="sequences per call (B; the trainer's --ane_batch_size; "
+                   f"default {hg.ANE_BATCH}, with --check the trainer's on a Mac)")
     p.add_argument('--seq_len', type=int, default=0, help="tokens per sequence (T; default block_size)")
     p.add_argument('--out', default='ane_programs', help="the folder to save the programs in")
     p.add_argument('--whole_step', action='store_true', help="the whole step as one program, to compare")
@@ -465,14 +488,18 @@ def main(argv=None):
     p.add_argument('--gpu_batch', type=int, default=0, help="with --check: the GPU engine's microbatch (default: the trainer's on a Mac)")
     p.add_argument('--check_report', default='ane_check.json', help="with --check: the report (and its .md summary)")
     p.add_argument('--stage_timeout', type=float, default=3600.0, help="with --check: seconds a stage may take")
+    p.add_argument('--stages', default='', help="with --check: only these stages, comma-separated (default: all)")
     a = p.parse_args(argv)
     try:
         cfg = hg.GPTConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(hg.GPTConfig)})
-        B, T = a.microbatch, a.seq_len or a.block_size
+        mac = hg.Config(**hg.MAC_DEFAULTS)  # what the trainer uses on a Mac
+        B, T = a.microbatch or (ane_batch(mac) if a.check else hg.ANE_BATCH), a.seq_len or a.block_size
+        if hg.ON_MAC:
+            settings.check_ane_alignment(cfg, T)
         if a.check:  # the programs are exported by its own stage, in a process of their own
             import ane_check
-            gpu_batch = a.gpu_batch or hg.MAC_DEFAULTS['batch_size']  # (what the trainer uses on a Mac)
-            return ane_check.main(cfg, B, T, a.out, gpu_batch, a.check_report, a.stage_timeout)
+            return ane_check.main(cfg, B, T, a.out, a.gpu_batch or mac.batch_size, a.check_report, a.stage_timeout,
+                                  a.stages)
         t0 = time.perf_counter()
         reports = export_programs(cfg, B, T, a.out, a.whole_step)
         print(f"saved {a.out} ({cfg}, {B}x{T} tokens a call) in {time.perf_counter() - t0:.1f} s")

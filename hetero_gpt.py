@@ -42,14 +42,13 @@ import settings  # first: the files beside this one take UserError from it
 import distributed
 import energy
 import run_files
-from settings import UserError, parse_args, resolve_device, resolve_dtype  # noqa: F401 (hg.parse_args, ...)
+from settings import ON_MAC, UserError, parse_args, resolve_device, resolve_dtype  # noqa: F401 (hg.parse_args, ...)
 
-ON_MAC = sys.platform == 'darwin'
-ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (ANE_NOTES section 2)
+ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (coreml_and_ane.md section 2)
 ANE_MEMORY = 3.75 * 2**30  # the ANE's address space on M1-class chips: a program past it runs on the CPU
 ANE_BATCH = 4  # the ANE's default sequences per call: its programs' live memory well inside ANE_MEMORY
 # The ANE's fp16 does not overflow to inf: matmul outputs go wrong near 32752 = 2^15 - 16 and
-# inf does not propagate (ANE_NOTES section 2). So an output within 2x of that, 2^14 or more,
+# inf does not propagate (coreml_and_ane.md section 2). So an output within 2x of that, 2^14 or more,
 # is an overflow; the loss scale grows only while its outputs would stay below half of this.
 ANE_OVERFLOW = 2.0 ** 14
 CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per core
@@ -145,9 +144,9 @@ class Config(GPTConfig):
 CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8,
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
-# On a Mac: the same 32 sequences a step in microbatches of 4, so that GPT-2 124M in hetero
-# mode fits a 16 GB Mac (ane_check.memory_estimate: ~11 GiB; 8 would take ~17); a larger Mac can raise it.
-MAC_DEFAULTS = dict(batch_size=4, gradient_accumulation_steps=8)
+# On a Mac: the same 32 sequences a step in microbatches of 2, so that GPT-2 124M in hetero
+# mode fits a 16 GB Mac (ane_check.memory_estimate: ~8.5 GiB; 4 would take ~13); a larger Mac can raise it.
+MAC_DEFAULTS = dict(batch_size=2, gradient_accumulation_steps=16)
 
 
 # -----------------------------------------------------------------------------
@@ -278,7 +277,7 @@ def GPT_param_shapes(cfg):
 # Shapes: B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H; (N, C) row
 # matrices, attention per head on (B, H, T, D). Not Apple's (B, C, 1, S) with 1x1 convs: the
 # weights are program *inputs*, and conv with a runtime weight compiles only at batch 1,
-# where matmul takes two runtime operands on the ANE (ANE_NOTES section 3).
+# where matmul takes two runtime operands on the ANE (coreml_and_ane.md section 3).
 
 GELU_K = math.sqrt(2.0 / math.pi)
 
@@ -328,7 +327,7 @@ class Derivation:
         return dx, self.sum(dy * xhat, 0, keep=False), self.sum(dy, 0, keep=False)
 
     # ---- GELU, tanh form written out: the ANE's built-in gelu is a table approximation
-    # (ANE_NOTES section 2). y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3)
+    # (coreml_and_ane.md section 2). y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3)
     def gelu_forward(self, x):
         t = self.tanh((x + 0.044715 * x * x * x) * GELU_K)
         return self.gelu_output((x, t)), (x, t)
@@ -528,7 +527,7 @@ class TorchOps(Derivation):
 
     def causal_mask(self, T):
         # additive mask: 0 on and below the diagonal, -1e4 above. -1e4 (not -inf): fp16 tops
-        # out at 65504 and -inf - -inf = nan; exp(-1e4) is exactly 0 in any dtype (ANE_NOTES)
+        # out at 65504 and -inf - -inf = nan; exp(-1e4) is exactly 0 in any dtype (coreml_and_ane.md section 2)
         return torch.full((T, T), -1e4, dtype=self.dtype, device=self.device).triu(1)
 
     def pad_mask(self, n, valid):
@@ -635,7 +634,7 @@ def grads_finite(grads):
 # 4. The Core ML programs: the same derivation, recorded by coremltools' MIL builder.
 #
 # MILOps' ops add ops to a MIL program instead of computing. A whole-model program takes the
-# ANE compiler tens of minutes or fails, where one block compiles in about a second (ANE_NOTES
+# ANE compiler tens of minutes or fails, where one block compiles in about a second (coreml_and_ane.md
 # section 1). So the step is three programs, chained by the host (CoreMLEngine), each compiled
 # once for every layer (the blocks share shapes; their weights are inputs):
 #   block_forward   x, the block's weights                -> y                 (L calls)
@@ -646,7 +645,7 @@ def grads_finite(grads):
 # through the host. For GPT-2 124M (python export_ane.py) that is 13 GFLOP per block and
 # sequence, 18% more per step; the cache would be 22M values per block and sequence (12NC +
 # HT^2): 44 MB of fp16 that predict converts to 88 MB of fp32 and copies out, then in again,
-# over the memory the GPU trains from (ANE_NOTES section 1). Opset macOS13: fp16 in and out.
+# over the memory the GPU trains from (coreml_and_ane.md section 1). Opset macOS13: fp16 in and out.
 # 'step', the whole step as one program, can still be exported (--whole_step), to compare.
 ANE_PIECES = ('block_forward', 'head', 'block_backward')
 
@@ -678,7 +677,7 @@ class MILTensor:
 
 
 class MILOps(Derivation):
-    """MIL backend of the derivation, every op one the ANE runs (ANE_NOTES section 2); P is kept."""
+    """MIL backend of the derivation, every op one the ANE runs (coreml_and_ane.md section 2); P is kept."""
 
     def __init__(self):
         from coremltools.converters.mil import Builder as mb
@@ -691,22 +690,22 @@ class MILOps(Derivation):
         self.products.append(MILTensor(self.mb.matmul(x=a.v, y=b.v, transpose_x=ta, transpose_y=tb)))
         return self.products[-1]
 
-    def peak(self, outputs):
-        """(1, 1): the largest |value| of every matmul result the outputs depend on. The ANE's
-        matmuls saturate near 32752 instead of giving inf (ANE_NOTES section 2), and a saturated
-        score can vanish in a softmax before any output shows it: the host reads this."""
+    def peaks(self, outputs):
+        """{'peak_i': the largest |value| of a matmul result}, one for each result the outputs
+        depend on that is not an output itself. The ANE's matmuls saturate near 32752 instead of
+        giving inf (coreml_and_ane.md section 2), and a saturated value can vanish (in a
+        softmax, behind a small weight) before any output shows it. The host reads every
+        output's largest value; two ops per result, no chain of tiny ops between them."""
         live, todo = set(), [o.v for o in outputs]
         while todo:  # the variables the outputs depend on (the rest is dead and removed)
             v = todo.pop()
             if id(v) not in live and v.op is not None:
                 live.add(id(v))
                 todo += [u for x in v.op.inputs.values() for u in (x if isinstance(x, (list, tuple)) else [x])]
-        m = None
-        for y in (y for y in self.products if id(y.v) in live):
-            r = self.mb.reshape(x=self.mb.reduce_max(x=self.mb.abs(x=y.v), axes=list(range(len(y.shape))),
-                                                     keep_dims=True), shape=[1, 1])
-            m = r if m is None else self.mb.maximum(x=m, y=r)
-        return MILTensor(m)
+        seen = {id(o.v) for o in outputs}
+        return {f'peak_{i}': MILTensor(self.mb.reduce_max(x=self.mb.abs(x=y.v), axes=list(range(len(y.shape))),
+                                                          keep_dims=True))
+                for i, y in enumerate(y for y in self.products if id(y.v) in live and id(y.v) not in seen)}
 
     def exp(self, x): return self._u('exp', x)
     def log(self, x): return self._u('log', x)
@@ -720,7 +719,7 @@ class MILOps(Derivation):
     def maximum(self, a, b): return a._bin('maximum', b)
 
     # For the ANE's fp16, the math unchanged: its reduce_sum accumulates in fp16, its matmul
-    # wide (ANE_NOTES section 2), so a sum over an axis is a matmul with a constant vector c:
+    # wide (coreml_and_ane.md section 2), so a sum over an axis is a matmul with a constant vector c:
     # x @ c over the last axis, c^T x over the rows of an (N, C) matrix (axis 0). c = 1 sums;
     # c = 1/n means inside the wide sum: no mean passes through a sum out of range (768 x 1000).
     def _dot(self, x, axis, c):
@@ -736,7 +735,7 @@ class MILOps(Derivation):
 
     def layernorm_forward(self, x, w, b, eps=1e-5):
         # fp16 squares overflow past 256 (256^2 > 65504), and GPT-2's residual rows grow past
-        # that (ANE_NOTES section 2): each row is divided by s, its largest |xc| (at least
+        # that (coreml_and_ane.md section 2): each row is divided by s, its largest |xc| (at least
         # 2^-14, fp16's smallest normal, so a constant row gives 0, not 0/0), before squaring.
         # With xs = xc/s: var = s^2 mean(xs^2), so xhat = xs r, r = rsqrt(mean(xs^2) + e^2) with
         # e = sqrt(eps)/s (eps/s^2 as a square: 1/s^2 would overflow for small s), rstd = r/s.
@@ -805,7 +804,7 @@ def run_piece(o, cfg, B, T, piece, inp):
 
 def build_coreml_program(cfg, B, T, piece='step'):
     """run_piece(MILOps) as a MIL Program: fp16 inputs piece_input_shapes(cfg, B, T, piece),
-    fp16 outputs by run_piece's names, and 'peak' (MILOps.peak)."""
+    fp16 outputs by run_piece's names, and the peaks (MILOps.peaks)."""
     ct = import_coremltools()
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import Function, Program, types
@@ -815,7 +814,7 @@ def build_coreml_program(cfg, B, T, piece='step'):
     with Function(placeholders, opset_version=ct.target.macOS13) as fn:
         ops = MILOps()
         out = run_piece(ops, cfg, B, T, piece, {k: MILTensor(v) for k, v in fn.inputs.items()})
-        out['peak'] = ops.peak(list(out.values()))
+        out |= ops.peaks(list(out.values()))
         fn.set_outputs([mb.identity(x=v.v, name=k) for k, v in out.items()])
     prog = Program()
     prog.add_function('main', fn)
@@ -825,14 +824,21 @@ def build_coreml_program(cfg, B, T, piece='step'):
 def coreml_predict_fn(programs, pieces):
     """THE macOS SEAM: predict(piece, inputs) -> outputs, by Core ML on CPU + Neural Engine,
     each program compiled once into a cache beside it (export_ane.compiled_model: loading an
-    .mlpackage would compile it again at every start, ANE_NOTES section 1). Everything else in
-    this file runs anywhere; off macOS the saved programs run in the NumPy evaluator."""
+    .mlpackage would compile it again at every start, coreml_and_ane.md section 1).
+    Everything else in this file runs anywhere; off macOS the saved programs run in the NumPy
+    evaluator. The inputs must outlive the call: Core ML releases them late (CoreMLEngine)."""
     import export_ane
     if not ON_MAC:
         return export_ane.numpy_programs(programs, pieces)
     ct = import_coremltools()
-    models = {p: export_ane.load_compiled(programs, p, lambda path: ct.models.CompiledMLModel(
-        path, compute_units=ct.ComputeUnit.CPU_AND_NE)) for p in pieces}
+    models = {}
+    for p in pieces:
+        try:
+            models[p] = export_ane.load_compiled(programs, p, lambda path: ct.models.CompiledMLModel(
+                path, compute_units=ct.ComputeUnit.CPU_AND_NE))
+        except Exception as e:  # a compile or load that failed: named, in one line
+            raise UserError(f"Core ML could not compile or load the program {p} ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return lambda piece, inputs: models[piece].predict(inputs)
 
 
@@ -863,7 +869,7 @@ class CoreMLEngine(Engine):
         self.label, self.checked = label, False
         # Persistent fp32 buffers, made once: coremltools wraps fp32 arrays without a copy but
         # makes a new fp32 array of every fp16 one, and Core ML frees its inputs late, on its
-        # own queue (ANE_NOTES section 1; coremltools PRs #2827, #2829): these are never freed.
+        # own queue (coreml_and_ane.md section 1; coremltools PRs #2827, #2829): these are never freed.
         N, C, L = B * T, cfg.n_embd, cfg.n_layer
         self.inputs = {k: np.zeros(s, np.float32) for k, s in dense_input_shapes(cfg, B, T).items()}
         self.xs = [self.inputs['x0']] + [np.zeros((N, C), np.float32) for _ in range(L)]  # each block's input
@@ -916,12 +922,12 @@ class CoreMLEngine(Engine):
         def run(piece, inputs):  # one program; the largest |value| of each output noted
             out = self.predict(piece, inputs)
             peaks.extend(float(np.max(np.abs(v))) for v in out.values())
-            return out
+            return {k: v for k, v in out.items() if not k.startswith('peak_')}
         out = run('step', self.inputs) if self.pieces == ('step',) else self._chain(run)
         peak = float(np.max(peaks))  # nan if any output holds a nan
         self.scaler.peak = max(self.scaler.peak, peak)
         g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in out.items() if k.startswith('d_')}
-        # an overflow, told by magnitude (ANE_OVERFLOW) in any output, 'peak' included, makes the
+        # an overflow, told by magnitude (ANE_OVERFLOW) in any output, the peaks included, makes the
         # loss inf: the step drops these gradients and lowers the loss scale
         loss = float(np.asarray(out['loss']).reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
@@ -1267,7 +1273,7 @@ def make_optimizer(model, cfg, device):
     groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay},
               {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             fused=device.type == 'cuda')
+                             fused=device.type in ('cuda', 'mps'))  # (MPS: torch 2.4+)
 
 
 def eager_engine_class(cfg, device):
@@ -1365,7 +1371,8 @@ def train(cfg, given=frozenset()):
 
     n_params = sum(p.numel() for p in model.parameters())
     print(f"GPT-2 {n_params / 1e6:.2f}M parameters | mode {cfg.mode} | "
-          + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}")
+          + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}"
+          + (f" (none of: {'; '.join(meter.missing)})" if meter.missing and not meter.meters else ''))
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     metrics = open(metrics_path if rank == 0 else os.devnull, 'a')
     evaluator = engines.get('gpu') or AutogradEngine(model, device, dtype)
@@ -1431,9 +1438,11 @@ def train(cfg, given=frozenset()):
     except KeyboardInterrupt:
         checkpoint()
         bar.close()
+        meter.close()
         print(f"\ninterrupted: checkpoint saved at step {it} in {ckpt_path}; continue with --resume")
         return model
     bar.close()
+    meter.close()
     metrics.close()
     distributed.leave()
     if cfg.sample_tokens > 0 and rank == 0:

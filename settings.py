@@ -9,9 +9,13 @@ import argparse
 import dataclasses
 import math
 import os
+import platform
 import sys
 
 import torch
+
+# The one check for macOS in the project (the tests' macOS double sets sys.platform).
+ON_MAC = sys.platform == 'darwin'
 
 
 class UserError(Exception):
@@ -91,6 +95,52 @@ def resolve_dtype(name, device, flag='--dtype'):
     return dtypes[name]
 
 
+def version(text):
+    """'2.6.0+cpu' -> (2, 6): the release's first two numbers."""
+    return tuple(int(''.join(c for c in part if c.isdigit()) or 0) for part in text.split('.')[:2])
+
+
+def check_mps(dtype, compile, torch_version=torch.__version__, macos=None):
+    """What PyTorch's MPS backend can do (coreml_and_ane.md section 6): bf16 autocast
+    from torch 2.6 on macOS 14 (on 2.5 it silently runs fp32), torch.compile from 2.8."""
+    macos = version(macos or platform.mac_ver()[0] or '0')
+    if dtype == torch.bfloat16 and (version(torch_version) < (2, 6) or macos < (14, 0)):
+        raise UserError(f"--dtype bfloat16 on MPS needs torch 2.6 or newer on macOS 14 or newer (this is torch "
+                        f"{torch_version} on macOS {'.'.join(map(str, macos))}): use --dtype float16 or float32")
+    if compile and version(torch_version) < (2, 8):
+        raise UserError(f"--compile on MPS needs torch 2.8 or newer (this is {torch_version}): upgrade torch "
+                        "or leave out --compile")
+
+
+def check_coreml():
+    """On a Mac: coremltools 8.3 or newer with its Core ML bindings (docs/coreml_and_ane.md
+    section 1). Python 3.14 gets an sdist without them, so ct.convert and predict fail."""
+    import hetero_gpt as hg
+    try:
+        ct = hg.import_coremltools()
+    except ImportError:
+        raise UserError("the ANE engine needs coremltools: pip install -r requirements.txt, or use --mode gpu") from None
+    if version(ct.__version__) < (8, 3):
+        raise UserError(f"coremltools {ct.__version__} is too old for the ANE engine: pip install 'coremltools>=8.3', "
+                        "or use --mode gpu")
+    try:
+        import coremltools.libcoremlpython  # noqa: F401
+    except ImportError:
+        raise UserError(f"coremltools {ct.__version__} has no Core ML runtime (libcoremlpython): pip found no macOS "
+                        f"wheel for Python {platform.python_version()}; use Python 3.9 to 3.13, or --mode gpu") from None
+
+
+def check_ane_alignment(cfg, T):
+    """On a Mac: every contraction of the ANE's programs a multiple of 32 (T, and so B*T;
+    n_embd; the head size): public ANE work saw silent zeros otherwise (coreml_and_ane.md section 2)."""
+    if platform.mac_ver()[2] not in ('arm64', ''):
+        raise UserError(f"the Neural Engine needs Apple Silicon; this Mac is {platform.mac_ver()[2]}: use --mode gpu")
+    for name, n in (('--block_size (tokens a sequence)', T), ('--n_embd', cfg.n_embd),
+                    ('the head size (--n_embd / --n_head)', cfg.n_embd // cfg.n_head)):
+        if n % 32:
+            raise UserError(f"{name} is {n}: the ANE's programs need a multiple of 32 here")
+
+
 def check(cfg, given, log=print):
     """Checks every setting and resolves what 'auto' means on this machine: (device, dtype)
     of the GPU engine. On a machine without an accelerator, CPU_DEFAULTS replace the
@@ -98,14 +148,14 @@ def check(cfg, given, log=print):
     import hetero_gpt as hg
     device = resolve_device(cfg.device)
     defaults, why = ((hg.CPU_DEFAULTS, "no GPU: small model and short run for the CPU") if device.type == 'cpu' else
-                     (hg.MAC_DEFAULTS, "on a Mac: microbatches that fit a 16 GB one") if hg.ON_MAC else ({}, ''))
+                     (hg.MAC_DEFAULTS, "on a Mac: microbatches that fit a 16 GB one") if ON_MAC else ({}, ''))
     changed = {k: v for k, v in defaults.items() if k not in given}
     for k, v in changed.items():
         setattr(cfg, k, v)
     if changed:
         log(f"{why} (any flag overrides): " + ' '.join(f'{k}={v}' for k, v in changed.items()))
     if cfg.mode == 'auto':
-        cfg.mode = 'hetero' if hg.ON_MAC else 'gpu'
+        cfg.mode = 'hetero' if ON_MAC else 'gpu'
     if cfg.mode not in ('gpu', 'ane', 'hetero'):
         raise UserError(f"unknown --mode {cfg.mode!r}: use gpu, ane or hetero")
     if cfg.ane_fraction != 'auto':
@@ -129,20 +179,25 @@ def check(cfg, given, log=print):
         raise UserError(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} counts all ranks' "
                         f"microbatches: use {os.environ['WORLD_SIZE']} or more")
     dtype, ane_dtype = resolve_dtype(cfg.dtype, device), resolve_dtype(cfg.ane_dtype, device, '--ane_dtype')
+    if device.type == 'mps' and cfg.mode != 'ane':
+        check_mps(dtype, cfg.compile)
+    if ON_MAC and cfg.mode != 'gpu':
+        check_coreml()
+        check_ane_alignment(hg.model_config(cfg), cfg.block_size)
     # the settings given that this run does not use, said once: a flag is never a silent no-op
     gpu16 = dtype == torch.float16 and cfg.mode != 'ane'  # which engines scale their loss
-    ane16 = cfg.mode != 'gpu' and (hg.ON_MAC or ane_dtype == torch.float16)
+    ane16 = cfg.mode != 'gpu' and (ON_MAC or ane_dtype == torch.float16)
     fp16 = gpu16 or ane16
     worker = hg.ane_placement(cfg, device)[1]  # (and --ane_device checked)
-    programs = cfg.mode != 'gpu' and (hg.ON_MAC or cfg.ane_evaluator == 'numpy')  # exported programs
-    eager_here = cfg.mode != 'gpu' and not hg.ON_MAC and not worker and cfg.ane_evaluator == 'eager'
+    programs = cfg.mode != 'gpu' and (ON_MAC or cfg.ane_evaluator == 'numpy')  # exported programs
+    eager_here = cfg.mode != 'gpu' and not ON_MAC and not worker and cfg.ane_evaluator == 'eager'
     moot = dict(ane_programs=not programs, ane_batch_size=cfg.mode == 'gpu' or eager_here,
                 ane_fraction=cfg.mode != 'hetero', loss_scale=not gpu16, ane_loss_scale=not ane16,
-                scale_window=not fp16, compile=(hg.ON_MAC or worker) and cfg.mode == 'ane',
+                scale_window=not fp16, compile=(ON_MAC or worker) and cfg.mode == 'ane',
                 ane_worker=cfg.mode == 'gpu', ane_load_timeout=not (cfg.mode != 'gpu' and worker),
-                ane_evaluator=hg.ON_MAC or cfg.mode == 'gpu', fused_kernels=not eager_here)
-    moot |= dict.fromkeys(('ane_device', 'ane_dtype'), hg.ON_MAC or cfg.mode == 'gpu')
+                ane_evaluator=ON_MAC or cfg.mode == 'gpu', fused_kernels=not eager_here)
+    moot |= dict.fromkeys(('ane_device', 'ane_dtype'), ON_MAC or cfg.mode == 'gpu')
     if unused := [f'--{k}' for k in moot if moot[k] and k in given]:
-        log(f"not used by this run (mode {cfg.mode}{', macOS' if hg.ON_MAC else ''}{'' if fp16 else ', no fp16 engine'}): "
+        log(f"not used by this run (mode {cfg.mode}{', macOS' if ON_MAC else ''}{'' if fp16 else ', no fp16 engine'}): "
             + ', '.join(unused))
     return device, dtype

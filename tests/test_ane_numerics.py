@@ -1,4 +1,4 @@
-"""The Core ML program under what is known of the ANE's fp16 (ANE_NOTES section 2), imitated
+"""The Core ML program under what is known of the ANE's fp16 (coreml_and_ane.md section 2), imitated
 by export_ane.numpy_predict(prog, ane=True): reduce_sum accumulating in fp16, matmul wide,
 saturation instead of inf. fp16: unit roundoff u = 2^-11 = 4.9e-4, largest value 65504."""
 import copy
@@ -209,6 +209,7 @@ def test_injected_overflow_is_caught_and_never_applied(tmp_path):
     out = step(microbatches)
     outputs = [v for o in seen['ane'] for v in o.values()]
     assert all(np.isfinite(v).all() for v in outputs) and max(np.abs(v).max() for v in outputs) >= hg.ANE_OVERFLOW
+    assert max(np.abs(v).max() for o in seen['ane'] for k, v in o.items() if k.startswith('peak_')) >= hg.ANE_OVERFLOW
     with np.errstate(all='ignore'):
         ieee.loss_and_grads(*microbatches[0])
     assert not all(np.isfinite(v).all() for o in seen['ieee'] for v in o.values())  # what IEEE fp16 would show

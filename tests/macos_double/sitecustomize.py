@@ -1,0 +1,59 @@
+"""
+A double of macOS for the tests: only what Linux lacks, installed in every Python process
+that has this folder on PYTHONPATH and HETERO_MACOS_DOUBLE=1 (spawned children included,
+since they inherit both).
+
+- The OS identity: sys.platform 'darwin' (what coremltools' _is_macos, the project's ON_MAC
+  and multiprocessing read), platform.mac_ver(), and sw_vers / sysctl on PATH.
+- Core ML's native runtime under coremltools: the module coremltools.libcoremlpython
+  (libcoremlpython.py beside this file). coremltools' own Python runs above it unchanged.
+- powermetrics and sudo on PATH (bin/).
+
+Switches, all environment variables:
+  MACOS_DOUBLE_VERSION   the macOS version (default 15.5)
+  MACOS_DOUBLE_MACHINE   arm64 (default) or x86_64 (an Intel Mac)
+  MACOS_DOUBLE_NATIVE    0: no libcoremlpython, as coremltools installed from its sdist
+  MACOS_DOUBLE_CPU_OPS   op types the compute plan puts on the CPU, comma-separated
+  MACOS_DOUBLE_FAIL      load: the Neural Engine compile fails at load with an exception;
+                         sigkill: the load succeeds and the first predict kills the process
+  MACOS_DOUBLE_SUDO      0: sudo -n has no rights
+  MACOS_DOUBLE_WATTS     CPU,GPU,ANE milliwatts powermetrics reports (default 3000,9000,1500)
+  MACOS_DOUBLE_LOG       a folder: the double notes compiles, loads and powermetrics there
+"""
+import importlib.abc
+import importlib.util
+import os
+import platform
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class NativeFinder(importlib.abc.MetaPathFinder):
+    """Serves coremltools.libcoremlpython from libcoremlpython.py here: Linux wheels of
+    coremltools ship libmilstoragepython and libmodelpackage but not the Core ML bindings."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == 'coremltools.libcoremlpython':
+            return importlib.util.spec_from_file_location(name, os.path.join(HERE, 'libcoremlpython.py'))
+        return None
+
+
+def install():
+    # Two stdlib modules load macOS-only parts when sys.platform is darwin: urllib.request
+    # (_scproxy) and sysconfig (_sysconfigdata__darwin_*); load them under the real identity
+    import sysconfig
+    import urllib.request  # noqa: F401
+    sysconfig.get_config_vars()
+    sys.platform = 'darwin'
+    version, machine = os.environ.get('MACOS_DOUBLE_VERSION', '15.5'), os.environ.get('MACOS_DOUBLE_MACHINE', 'arm64')
+    platform.mac_ver = lambda release='', versioninfo=('', '', ''), machine_='': (version, ('', '', ''), machine)
+    bin_dir = os.path.join(HERE, 'bin')
+    if not os.environ['PATH'].startswith(bin_dir + os.pathsep):
+        os.environ['PATH'] = bin_dir + os.pathsep + os.environ['PATH']
+    if os.environ.get('MACOS_DOUBLE_NATIVE', '1') == '1':
+        sys.meta_path.insert(0, NativeFinder())
+
+
+if os.environ.get('HETERO_MACOS_DOUBLE') == '1':
+    install()
