@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import hetero_gpt as hg
+import settings  # one_line, check_coreml
 
 # (name, needs macOS, what it finds out)
 STAGES = (('environment', False, "macOS, chip, memory, versions, MPS, powermetrics"),
@@ -43,7 +44,7 @@ def _child(conn, target, ctx):
         module, name = target.split(':')
         conn.send(('ok', getattr(importlib.import_module(module), name)(ctx)))
     except BaseException as e:  # reported by the parent; the next stage runs
-        conn.send(('error', f"{type(e).__name__}: {e}".splitlines()[0]))
+        conn.send(('error', settings.one_line(e)))
 
 
 def run_stage(name, ctx, timeout, target=None):
@@ -150,7 +151,6 @@ def total_memory():
 
 def environment(ctx):
     import numpy
-    import settings
     info = dict(os=platform.platform(), python=platform.python_version(), machine=platform.machine(),
                 cpus=os.cpu_count(), memory_gib=round(total_memory() / 2**30, 1), torch=torch.__version__,
                 numpy=numpy.__version__, mps=torch.backends.mps.is_available(), cuda=torch.cuda.is_available())
@@ -168,13 +168,9 @@ def environment(ctx):
         except hg.UserError as e:
             info['coreml_runtime'] = str(e)
         info['powermetrics'] = subprocess.run(['sudo', '-n', 'powermetrics', '-n', '1', '-i', '100', '--samplers',
-                                               'cpu_power'], capture_output=True, timeout=30).returncode == 0
+                                               'cpu_power,gpu_power,ane_power'], capture_output=True,
+                                              timeout=30).returncode == 0
     return info
-
-
-# Core ML releases predict's inputs about a second after the call, off the GIL (coremltools
-# PRs #2827, #2829): the stages' inputs are kept here for the life of their process.
-KEPT = []
 
 
 def probes(ctx):
@@ -203,14 +199,13 @@ def probes(ctx):
     try:
         for name, (fn, inputs) in cases.items():
             inputs = {k: v.astype(np.float16).astype(np.float32) for k, v in inputs.items()}
-            KEPT.append(inputs)
             prog = export_ane.mil_program(lambda **t: fn(ops(), **t), **{k: v.shape for k, v in inputs.items()})
             path = os.path.join(folder, f'probe{len(out)}.mlpackage')
             model = ct.convert(prog, convert_to='mlprogram', compute_precision=ct.precision.FLOAT16,
                                minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
             model.save(path)
             m = ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE)
-            y = m.predict(inputs)['y']
+            y = hg.coreml_predict(m, inputs)['y']
             rec = dict(ms=m.last_predict_duration_in_nano_seconds / 1e6, finite=bool(np.isfinite(y).all()),
                        placement=export_ane.macos_placement(m.get_compiled_model_path()))
             if name.startswith('long sum'):
@@ -263,17 +258,16 @@ def coreml(ctx):
                    placement=export_ane.macos_placement(compiled))
         inputs = {k: (np.random.default_rng(0).standard_normal(s) * 0.1).astype(np.float32)
                   for k, s in hg.piece_input_shapes(cfg, B, T, piece).items()}
-        KEPT.append(inputs)
         for units in ('CPU_AND_NE', 'CPU_ONLY'):
             t0 = time.perf_counter()
             m = ct.models.CompiledMLModel(compiled, compute_units=getattr(ct.ComputeUnit, units))
             if units == 'CPU_AND_NE':
                 rec['load_s'] = round(time.perf_counter() - t0, 2)
-            m.predict(inputs)  # the first call may still specialize
+            hg.coreml_predict(m, inputs)  # the first call may still specialize
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                m.predict(inputs)
+                hg.coreml_predict(m, inputs)
                 times.append(time.perf_counter() - t0)
             rec[f'{units}_ms'] = round(1e3 * float(np.median(times)), 2)
         out[piece] = rec
@@ -351,8 +345,8 @@ def memory_estimate(cfg, mode, device, dtype):
     layernorms and of the four linear layers, q k v and their contiguous copies, the
     attention output, the MLP's 4C hidden and its GELU), 4 bytes each in fp32 or ~2.2 under
     autocast; the logits, 16 bytes each (logits, log-softmax, their gradients, fp32). On MPS
-    attention with grad takes the math path and keeps each layer's (B, H, T, T) fp32
-    probabilities (coreml_and_ane.md section 6).
+    attention with grad takes the math path and keeps each layer's (B, H, T, T) probabilities
+    (coreml_and_ane.md section 6).
     ANE worker: its shared memory and its own fp32 copies (weights and gradients twice, 16
     bytes a parameter), each block's input (L + 2 rows of N C), its largest program's live
     memory (the head's logits and softmax, fp16), and a process of its own."""
@@ -364,7 +358,7 @@ def memory_estimate(cfg, mode, device, dtype):
         parts['gpu_state'] = 16 * P + (2 * P if half else 0)
         parts['gpu_activations'] = L * 20 * N * C * (2.2 if half else 4) + 16 * N * V
         if device.type == 'mps':
-            parts['gpu_attention'] = 4 * L * N * cfg.n_head * cfg.block_size
+            parts['gpu_attention'] = (2 if half else 4) * L * N * cfg.n_head * cfg.block_size
         parts['gpu_runtime'] = RUNTIME
     if mode in ('ane', 'hetero'):
         import export_ane

@@ -32,14 +32,13 @@ import numpy as np
 import torch
 
 import hetero_gpt as hg
+from settings import one_line  # an exception in one line, Core ML's included
 
 
 class WorkerFault(RuntimeError):
     """The worker died, hung or raised: the step retires the engine, the GPU takes its share."""
 
 
-def one_line(e):
-    return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
 def exit_text(code):
@@ -292,15 +291,15 @@ def overlap(cfg, gpu_batch, ane_batch, device, evaluator='eager', programs=None,
     w.load_weights(dict(model.named_parameters()))
     phase, exchanges = ['warm-up'], {}
 
-    def timed(engine, batch, n, stop=None):  # n calls, or until stop is set
+    def timed(engine, batch, n, stop=None, seconds=0.0):  # n calls and `seconds`, or until stop is set
         out = []
-        while len(out) < n or (stop is not None and not stop.is_set()):
+        while len(out) < n or sum(out) < seconds or (stop is not None and not stop.is_set()):
             t0 = time.perf_counter()
             float(engine.loss_and_grads(*batch)[0])  # waits for the device (releases the GIL)
             out.append(time.perf_counter() - t0)
             if engine is w:
                 exchanges.setdefault(phase[0], []).append(out[-1] - w.seconds)
-            if stop is None and len(out) >= n:
+            if stop is None and len(out) >= n and sum(out) >= seconds:
                 break
         return out
 
@@ -310,7 +309,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, evaluator='eager', programs=None,
         for name, engine, batch, n in (('gpu', gpu, gb, gpu_iters), ('ane', w, ab, ane_iters)):
             meter = energy.PowermetricsMeter() if watts else None
             t0, before = time.perf_counter(), dict(meter.parts) if meter else {}
-            res[f'{name}_alone'] = timed(engine, batch, n)
+            res[f'{name}_alone'] = timed(engine, batch, n, seconds=3.0 if meter else 0.0)  # (a dozen samples)
             if meter:
                 dt = time.perf_counter() - t0
                 power[f'{name}_alone_watts'] = {k: round((v - before.get(k, 0.0)) / dt, 2) for k, v in meter.parts.items()}

@@ -5,6 +5,7 @@ nanoGPT's bench.py, it is the training loop's meat without the rest.
 
     python bench.py [any hetero_gpt.py flag] [--bench_iters 10] [--bench_repeats 3]
 """
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -84,6 +85,9 @@ def bench(cfg, given):
             if hasattr(e, 'close'):
                 e.close()
         del model, optimizer, engines, step
+        gc.collect()
+        if device.type == 'mps':  # (its allocator keeps freed memory, which the host shares)
+            torch.mps.empty_cache()
     g = rows['gpu']
     print(f"\n{'mode':8} {'tokens/s':>10} {'x GPU-only':>10} {'J/token':>10} {'energy vs GPU':>14}  ANE share")
     for mode, r in rows.items():

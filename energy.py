@@ -89,10 +89,12 @@ class PowermetricsMeter:
         threading.Thread(target=reader, daemon=True).start()
         deadline = time.monotonic() + wait_s
         while not first.wait(0.1):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                why = self.proc.stderr.read().strip().splitlines()[:1] if self.proc.poll() is not None else []
+            if self.proc.poll() is not None:
+                why = (self.proc.stderr.read().strip().splitlines() or [f'exit code {self.proc.returncode}'])[0]
+                raise OSError(f"powermetrics gave no samples ({why})")
+            if time.monotonic() > deadline:
                 self.close()
-                raise OSError(f"powermetrics gave no samples ({why[0] if why else 'it needs sudo rights'})")
+                raise OSError(f"powermetrics printed no power lines within {wait_s:.0f} s")
 
     def joules(self):
         return self.total

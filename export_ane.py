@@ -459,7 +459,10 @@ def macos_placement(compiled):
         return dict(unavailable=f"the compute plan needs macOS 14.4 (this is {platform.mac_ver()[0]})")
     ct = hg.import_coremltools()
     from coremltools.models.compute_plan import MLComputePlan
-    plan = MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
+    try:
+        plan = MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
+    except Exception as e:  # reported; the stage goes on
+        return dict(unavailable=settings.one_line(e))
     share, elsewhere = collections.Counter(), collections.Counter()
     for op in plan.model_structure.program.functions['main'].block.operations:
         if op.operator_name == 'const':

@@ -21,6 +21,7 @@ engines, 6 the concurrent step, 7 the training loop. Beside it, the plumbing: st
 (the off-Mac stand-in's speed; every mode trains without it), export_ane.py (packages,
 NumPy evaluator, report), settings.py, run_files.py, distributed.py, energy.py, bench.py.
 """
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -821,12 +822,28 @@ def build_coreml_program(cfg, B, T, piece='step'):
     return prog
 
 
+HELD = collections.deque()  # (time, the inputs of one Core ML call)
+
+
+def coreml_predict(model, inputs):
+    """model.predict(inputs) through fresh views of the arrays, each held here 10 s. Core ML
+    drops its reference to its inputs about a second later, on its own queue and without the
+    GIL (coreml_and_ane.md section 1; coremltools PRs #2827, #2829): these views are objects
+    whose reference counts nothing else changes meanwhile, and which it never frees."""
+    now = time.monotonic()
+    while HELD and HELD[0][0] < now - 10:
+        HELD.popleft()
+    views = {k: v[...] for k, v in inputs.items()}
+    HELD.append((now, views))
+    return model.predict(views)
+
+
 def coreml_predict_fn(programs, pieces):
     """THE macOS SEAM: predict(piece, inputs) -> outputs, by Core ML on CPU + Neural Engine,
     each program compiled once into a cache beside it (export_ane.compiled_model: loading an
     .mlpackage would compile it again at every start, coreml_and_ane.md section 1).
     Everything else in this file runs anywhere; off macOS the saved programs run in the NumPy
-    evaluator. The inputs must outlive the call: Core ML releases them late (CoreMLEngine)."""
+    evaluator."""
     import export_ane
     if not ON_MAC:
         return export_ane.numpy_programs(programs, pieces)
@@ -837,9 +854,8 @@ def coreml_predict_fn(programs, pieces):
             models[p] = export_ane.load_compiled(programs, p, lambda path: ct.models.CompiledMLModel(
                 path, compute_units=ct.ComputeUnit.CPU_AND_NE))
         except Exception as e:  # a compile or load that failed: named, in one line
-            raise UserError(f"Core ML could not compile or load the program {p} ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    return lambda piece, inputs: models[piece].predict(inputs)
+            raise UserError(f"Core ML could not compile or load the program {p} ({settings.one_line(e)})") from None
+    return lambda piece, inputs: coreml_predict(models[piece], inputs)
 
 
 class Engine:
@@ -868,8 +884,7 @@ class CoreMLEngine(Engine):
         self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
         self.label, self.checked = label, False
         # Persistent fp32 buffers, made once: coremltools wraps fp32 arrays without a copy but
-        # makes a new fp32 array of every fp16 one, and Core ML frees its inputs late, on its
-        # own queue (coreml_and_ane.md section 1; coremltools PRs #2827, #2829): these are never freed.
+        # makes a new fp32 array of every fp16 one (coreml_and_ane.md section 1).
         N, C, L = B * T, cfg.n_embd, cfg.n_layer
         self.inputs = {k: np.zeros(s, np.float32) for k, s in dense_input_shapes(cfg, B, T).items()}
         self.xs = [self.inputs['x0']] + [np.zeros((N, C), np.float32) for _ in range(L)]  # each block's input

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import platform
+import re
 import sys
 
 import torch
@@ -20,6 +21,15 @@ ON_MAC = sys.platform == 'darwin'
 
 class UserError(Exception):
     """Something the user can fix: printed as one line, no traceback."""
+
+
+def one_line(e):
+    """An exception in one line. Core ML's errors reach Python as an NSError's userInfo as
+    Foundation prints it, a dictionary over several lines (coremltools' Utils::handleError):
+    of that, the NSLocalizedDescription, which says what happened."""
+    text = str(e)
+    m = re.search(r'NSLocalizedDescription = "?(.*?)"?;$', text, re.M)
+    return f"{type(e).__name__}: {m.group(1) if m else ' '.join(text.split())}"
 
 
 # What each numeric setting allows: setup() checks them all, before anything is written.
@@ -101,9 +111,11 @@ def version(text):
 
 
 def check_mps(dtype, compile, torch_version=torch.__version__, macos=None):
-    """What PyTorch's MPS backend can do (coreml_and_ane.md section 6): bf16 autocast
-    from torch 2.6 on macOS 14 (on 2.5 it silently runs fp32), torch.compile from 2.8."""
+    """What PyTorch's MPS backend can do (coreml_and_ane.md section 6): no float64; bf16
+    autocast from torch 2.6 on macOS 14 (on 2.5 it silently runs fp32); torch.compile from 2.8."""
     macos = version(macos or platform.mac_ver()[0] or '0')
+    if dtype == torch.float64:
+        raise UserError("--dtype float64: MPS has no float64; use float32")
     if dtype == torch.bfloat16 and (version(torch_version) < (2, 6) or macos < (14, 0)):
         raise UserError(f"--dtype bfloat16 on MPS needs torch 2.6 or newer on macOS 14 or newer (this is torch "
                         f"{torch_version} on macOS {'.'.join(map(str, macos))}): use --dtype float16 or float32")

@@ -106,6 +106,7 @@ def test_a_failed_neural_engine_compile(shakespeare, tmp_path, fail):
         err = error_lines(r)
         assert r.returncode == 2 and len(err) == 1 and err[0].startswith('error: the ANE worker could not start')
         assert 'Core ML could not compile or load the program block_forward' in err[0] and '--mode gpu' in err[0]
+        assert '(RuntimeError: Failed to build the model execution plan' in err[0]  # Core ML's description
         assert '#2758' not in err[0]
         r = mac([os.path.join(ROOT, 'hetero_gpt.py'), *TRAIN, '--max_iters', '1', '--ane_worker', 'false'], cwd, fail=fail)
         err = error_lines(r)
@@ -243,6 +244,8 @@ def test_mps_limits_refused_in_one_line():
         settings.check_mps(torch.bfloat16, False, '2.5.1', '15.0')
     with pytest.raises(settings.UserError, match='bfloat16 on MPS needs torch 2.6 or newer on macOS 14'):
         settings.check_mps(torch.bfloat16, False, '2.7.0', '13.6')
+    with pytest.raises(settings.UserError, match='MPS has no float64'):
+        settings.check_mps(torch.float64, False, '2.9.0', '15.0')
     with pytest.raises(settings.UserError, match='--compile on MPS needs torch 2.8'):
         settings.check_mps(torch.float32, True, '2.7.1', '15.0')
 

@@ -31,6 +31,12 @@ def _note(*words):
             f.write(' '.join(str(w) for w in (os.getpid(),) + words) + '\n')
 
 
+def _nserror(description):
+    """A Core ML failure as coremltools raises it: Utils::handleError formats the NSError's
+    userInfo with %@, a dictionary over several lines (CoreMLPythonUtils.mm)."""
+    return RuntimeError('{\n    NSLocalizedDescription = "' + description + '";\n}')
+
+
 def _is_compiled_path(path):  # Utils::isCompiledModelPath: the name ends in .mlmodelc
     return path.rstrip('/').endswith('.mlmodelc')
 
@@ -69,7 +75,7 @@ def _load_program(compiled):
         return load(spec, specification_version=spec.specificationVersion,
                     file_weights_dir=os.path.join(compiled, 'weights'))
     except Exception as e:
-        raise RuntimeError(f"Error opening the compiled model at {compiled}: {type(e).__name__}") from None
+        raise _nserror(f"Error opening the compiled model at {compiled}: {type(e).__name__}") from None
 
 
 class _LateRelease:
@@ -80,6 +86,16 @@ class _LateRelease:
 
     def __init__(self):
         self.held, self.lock, self.thread = collections.deque(), threading.Lock(), None
+
+    def check_not_held(self, name, a):
+        """An object Core ML still holds, passed again: two threads then change its reference
+        count, the caller's with the GIL and Core ML's queue without it (PR #2827)."""
+        with self.lock:
+            if any(a is b for _, arrays in self.held for b in arrays.values()):
+                sys.stderr.write(f"macOS double: input {name!r} is still held by Core ML from an earlier call: its "
+                                 "reference count races with Core ML's late release (coremltools PR #2827)\n")
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGSEGV)
 
     def hold(self, arrays):
         with self.lock:
@@ -123,8 +139,8 @@ class _MLModelProxy:
         self.program = _load_program(self.compiled)
         on_ane = compute_units in ('CPU_AND_NE', 'ALL')
         if on_ane and os.environ.get('MACOS_DOUBLE_FAIL') == 'load':
-            raise RuntimeError(f"Failed to build the model execution plan for the Neural Engine using "
-                               f"{self.compiled}: the ANE compiler service failed (the double's MACOS_DOUBLE_FAIL=load)")
+            raise _nserror(f"Failed to build the model execution plan for the Neural Engine using {self.compiled}: "
+                           "the ANE compiler service failed (the double's MACOS_DOUBLE_FAIL=load)")
         import export_ane  # the project's NumPy evaluator stands for Core ML's execution
         self.run = export_ane.numpy_predict(self.program, ane=on_ane)
         self.load_ns = time.perf_counter_ns() - t0
@@ -141,21 +157,23 @@ class _MLModelProxy:
             os.kill(os.getpid(), signal.SIGKILL)  # coremltools #2758: the load "succeeded"
         self.predicts += 1
         f = self.program.functions['main']
-        held = {}
-        for name, var in f.inputs.items():
-            if name not in data:  # Core ML checks the inputs against the model's description
-                raise RuntimeError(f"Required input feature not passed to the model: {name}")
-            v = data[name]
-            # Utils::convertValueToArray and PybindCompatibleArray: int32, fp32 or fp64, writeable
-            # (mutable_data); anything else is reported as "value type not convertible"
+        for name, v in data.items():
+            # Utils::dictToFeatures converts every entry; convertValueToArray and
+            # PybindCompatibleArray take int32, fp32 or fp64, writeable (mutable_data); anything
+            # else is reported as "value type not convertible"
             if not (isinstance(v, np.ndarray) and v.dtype in (np.int32, np.float32, np.float64) and v.flags.writeable):
                 print("Error: value type not convertible:")
                 print(type(v).__name__, getattr(v, 'dtype', ''), getattr(getattr(v, 'flags', None), 'writeable', ''))
                 raise RuntimeError("value type not convertible")
-            if v.shape != tuple(var.shape):
-                raise RuntimeError(f"MultiArray shape {v.shape} of input {name} does not match the shape "
-                                   f"{tuple(var.shape)} specified in the model description")
-            held[name] = v  # wrapped without a copy (deallocator:nil)
+            _RELEASE.check_not_held(name, v)
+        held = {}
+        for name, var in f.inputs.items():
+            if name not in data:  # Core ML checks the inputs against the model's description
+                raise _nserror(f"Required input feature not passed to the model: {name}")
+            if data[name].shape != tuple(var.shape):
+                raise _nserror(f"MultiArray shape {data[name].shape} of input {name} does not match the shape "
+                               f"{tuple(var.shape)} specified in the model description")
+            held[name] = data[name]  # wrapped without a copy (deallocator:nil)
         t0 = time.perf_counter_ns()
         out = self.run(held)  # converts each input to the program's declared type (fp16)
         self.last_ns = time.perf_counter_ns() - t0
@@ -177,13 +195,13 @@ class _MLModelProxy:
 
     @staticmethod
     def compileModel(path):
-        if not os.path.exists(path):
-            raise RuntimeError(f'Error compiling model: "no model at {path}".')
+        if not os.path.exists(path):  # compileModelAtURL's error, through handleError
+            raise _nserror(f"no model at {path}")
         return _compile(path)
 
     @staticmethod
-    def maximum_supported_specification_version():  # Core ML 6, 7, 8: macOS 13, 14, 15
-        return 7 if _macos() < (14, 0) else 8 if _macos() < (15, 0) else 9
+    def maximum_supported_specification_version():  # the SDK's newest, fixed at build time (9.0: macOS 15)
+        return 9
 
     @staticmethod
     def auto_set_specification_version(spec):
