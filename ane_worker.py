@@ -247,9 +247,8 @@ class WorkerEngine(hg.Engine):
     def _fault(self, text):
         self.close()
         hint = ("; on a Mac that is what a failed Neural Engine compile does at the first predict (coremltools "
-                "#2758): `python export_ane.py --check` tests the ANE path alone, and a smaller --ane_batch_size "
-                "makes smaller programs") if hg.ON_MAC and 'SIGKILL' in text else ''
-        return WorkerFault(f"{self.label} {text}{hint}")
+                "#2758), and a smaller --ane_batch_size makes smaller programs") if hg.ON_MAC and 'SIGKILL' in text else ''
+        return WorkerFault(f"{self.label} {text}{hint}; `python export_ane.py --check` tests the ANE path alone")
 
     def close(self):
         """Stops the worker (asked first, then killed) and frees the shared memory. Idempotent."""

@@ -482,7 +482,7 @@ def macos_placement(compiled):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     settings.add_flags(p, hg.GPTConfig)  # the model's flags, as hetero_gpt.py's
-    p.add_argument('--microbatch', type=int, default=0, help="sequences per call (B; the trainer's --ane_batch_size; "
+    p.add_argument('--microbatch', type=int, help="sequences per call (B; the trainer's --ane_batch_size; "
                    f"default {hg.ANE_BATCH}, with --check the trainer's on a Mac)")
     p.add_argument('--seq_len', type=int, default=0, help="tokens per sequence (T; default block_size)")
     p.add_argument('--out', default='ane_programs', help="the folder to save the programs in")
@@ -496,7 +496,8 @@ def main(argv=None):
     try:
         cfg = hg.GPTConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(hg.GPTConfig)})
         mac = hg.Config(**hg.MAC_DEFAULTS)  # what the trainer uses on a Mac
-        B, T = a.microbatch or (ane_batch(mac) if a.check else hg.ANE_BATCH), a.seq_len or a.block_size
+        B = a.microbatch if a.microbatch is not None else ane_batch(mac) if a.check else hg.ANE_BATCH
+        T = a.seq_len or a.block_size
         if hg.ON_MAC:
             settings.check_ane_alignment(cfg, T)
         if a.check:  # the programs are exported by its own stage, in a process of their own
