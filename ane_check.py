@@ -64,8 +64,8 @@ def run_stage(name, ctx, timeout, target=None):
         try:
             kind, value = conn.recv()
             out = dict(status='ok', result=value) if kind == 'ok' else dict(status='failed', error=value)
-        except EOFError:
-            pass
+        except EOFError:  # the child closed its end by dying: reaped before it is asked about
+            proc.join(30)
     if out is None:
         if proc.is_alive():
             proc.kill()
