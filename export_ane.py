@@ -498,7 +498,8 @@ def main(argv=None):
         mac = hg.Config(**hg.MAC_DEFAULTS)  # what the trainer uses on a Mac
         B = a.microbatch if a.microbatch is not None else ane_batch(mac) if a.check else hg.ANE_BATCH
         T = a.seq_len or a.block_size
-        if hg.ON_MAC:
+        if hg.ON_MAC:  # (a coremltools without its native libraries cannot save a program either)
+            settings.check_coreml()
             settings.check_ane_alignment(cfg, T)
         if a.check:  # the programs are exported by its own stage, in a process of their own
             import ane_check

@@ -215,6 +215,13 @@ def test_refused_at_start_in_one_line(tmp_path, flags, switches, says):
     assert not os.path.exists(tmp_path / 'out')  # nothing written
 
 
+def test_export_without_core_ml_is_refused_in_one_line(tmp_path):
+    r = mac([os.path.join(ROOT, 'export_ane.py'), *TINY], tmp_path, native=0)
+    err = error_lines(r)
+    assert r.returncode == 2 and len(err) == 1 and 'has no Core ML runtime' in err[0], r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / 'ane_programs')
+
+
 def test_the_energy_meter_against_powermetrics(tmp_path):
     # 13.5 W in all, GPU counted once; closing stops the root powermetrics too (SIGTERM
     # through sudo); without sudo rights it fails at once, not after a timeout
