@@ -3,8 +3,10 @@ A double of macOS for the tests: only what Linux lacks, installed in every Pytho
 that has this folder on PYTHONPATH and HETERO_MACOS_DOUBLE=1 (spawned children included,
 since they inherit both).
 
-- The OS identity: sys.platform 'darwin' (what coremltools' _is_macos, the project's ON_MAC
-  and multiprocessing read), platform.mac_ver(), and sw_vers / sysctl on PATH.
+- The OS identity: sys.platform 'darwin' (what coremltools' models/utils.py _is_macos and
+  _deps/__init__.py, the project's settings.ON_MAC and multiprocessing read),
+  platform.mac_ver() (coremltools' _deps reads the version there), sw_vers (utils.py
+  _macos_version runs `sw_vers -productVersion`) and sysctl on PATH.
 - Core ML's native runtime under coremltools: the module coremltools.libcoremlpython
   (libcoremlpython.py beside this file). coremltools' own Python runs above it unchanged.
 - powermetrics and sudo on PATH (bin/).
