@@ -6,6 +6,7 @@ powermetrics on macOS (coreml_and_ane.md section 6), NVML on NVIDIA GPUs, RAPL o
 import os
 import re
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -69,9 +70,10 @@ class PowermetricsMeter:
 
     def __init__(self, interval_ms=200, wait_s=10.0):
         # -b 1: line-buffered, or a pipe would hold many samples back
+        self.err = tempfile.TemporaryFile('w+')  # (a pipe nobody reads could fill and stop it)
         self.proc = subprocess.Popen(
             ['sudo', '-n', 'powermetrics', '--samplers', 'cpu_power,gpu_power,ane_power', '-i', str(interval_ms),
-             '-b', '1'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             '-b', '1'], stdout=subprocess.PIPE, stderr=self.err, text=True)
         self.total, self.name = 0.0, "powermetrics (CPU+GPU+ANE)"
         self.parts = dict(CPU=0.0, GPU=0.0, ANE=0.0)  # joules of each, as the total
         first = threading.Event()
@@ -90,7 +92,9 @@ class PowermetricsMeter:
         deadline = time.monotonic() + wait_s
         while not first.wait(0.1):
             if self.proc.poll() is not None:
-                why = (self.proc.stderr.read().strip().splitlines() or [f'exit code {self.proc.returncode}'])[0]
+                self.err.seek(0)
+                why = (self.err.read().strip().splitlines() or [f'exit code {self.proc.returncode}'])[0]
+                self.close()
                 raise OSError(f"powermetrics gave no samples ({why})")
             if time.monotonic() > deadline:
                 self.close()
@@ -108,6 +112,8 @@ class PowermetricsMeter:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.proc.stdout.close()
+        self.err.close()
 
 
 class EnergyMeter:

@@ -21,6 +21,7 @@ engines, 6 the concurrent step, 7 the training loop. Beside it, the plumbing: st
 (the off-Mac stand-in's speed; every mode trains without it), export_ane.py (packages,
 NumPy evaluator, report), settings.py, run_files.py, distributed.py, energy.py, bench.py.
 """
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -822,20 +823,29 @@ def build_coreml_program(cfg, B, T, piece='step'):
     return prog
 
 
-HELD = collections.deque()  # (time, the inputs of one Core ML call)
+HELD = collections.deque()  # [when the call returned, the inputs of one Core ML call]
 
 
 def coreml_predict(model, inputs):
-    """model.predict(inputs) through fresh views of the arrays, each held here 10 s. Core ML
-    drops its reference to its inputs about a second later, on its own queue and without the
-    GIL (coreml_and_ane.md section 1; coremltools PRs #2827, #2829): these views are objects
-    whose reference counts nothing else changes meanwhile, and which it never frees."""
-    now = time.monotonic()
-    while HELD and HELD[0][0] < now - 10:
+    """model.predict(inputs) through fresh views of the arrays, each held here until 10 s after
+    its call. Core ML drops its reference to its inputs about a second after a call, on its own
+    queue and without the GIL (coreml_and_ane.md section 1; coremltools PRs #2827, #2829):
+    these views are objects whose reference counts nothing else changes meanwhile, and which
+    it never frees."""
+    while HELD and HELD[0][0] < time.monotonic() - 10:
         HELD.popleft()
-    views = {k: v[...] for k, v in inputs.items()}
-    HELD.append((now, views))
-    return model.predict(views)
+    entry = [math.inf, {k: v[...] for k, v in inputs.items()}]
+    HELD.append(entry)
+    try:
+        return model.predict(entry[1])
+    finally:
+        entry[0] = time.monotonic()
+
+
+@atexit.register
+def _outlive_core_ml():  # the last calls' inputs are freed at exit: after Core ML's release
+    if HELD:
+        time.sleep(max(0.0, HELD[-1][0] + 2 - time.monotonic()))
 
 
 def coreml_predict_fn(programs, pieces):

@@ -28,8 +28,12 @@ def one_line(e):
     Foundation prints it, a dictionary over several lines (coremltools' Utils::handleError):
     of that, the NSLocalizedDescription, which says what happened."""
     text = str(e)
-    m = re.search(r'NSLocalizedDescription = "?(.*?)"?;$', text, re.M)
-    return f"{type(e).__name__}: {m.group(1) if m else ' '.join(text.split())}"
+    m = re.search(r'^ {4}NSLocalizedDescription = (?:"(.*)"|(.*));$', text, re.M)
+    if m:  # quoted when it holds spaces, with \" and \\ escaped
+        text = re.sub(r'\\(["\\])', r'\1', m.group(1) if m.group(1) is not None else m.group(2))
+    else:
+        text = ' '.join(text.split())
+    return f"{type(e).__name__}: {text}"
 
 
 # What each numeric setting allows: setup() checks them all, before anything is written.

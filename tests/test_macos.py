@@ -184,6 +184,36 @@ def test_compile_cache(tmp_path):
     assert sum(e[0] == 'compile' for e in coreml_log(tmp_path)) == 3
 
 
+RELEASE = """
+import sys, time, numpy as np, export_ane, hetero_gpt as hg, coremltools as ct
+cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200)
+export_ane.export_programs(cfg, 2, 32, 'p')
+m = ct.models.CompiledMLModel(export_ane.compiled_model('p', 'head')[0], compute_units=ct.ComputeUnit.CPU_AND_NE)
+inputs = lambda: {k: np.zeros(s, np.float32) for k, s in hg.piece_input_shapes(cfg, 2, 32, 'head').items()}
+kept = inputs()
+for _ in range(3):
+    hg.coreml_predict(m, kept)  # the same buffers, through fresh views each call
+time.sleep(1.5)
+print('views: ok', flush=True)
+if sys.argv[1] == 'temporary':
+    m.predict(inputs())  # freed by the time Core ML releases it
+    time.sleep(1.5)
+else:
+    m.predict(kept)
+    m.predict(kept)  # still held by Core ML from the call before
+print('survived', flush=True)
+"""
+
+
+@pytest.mark.parametrize('misuse', ['temporary', 'again'])
+def test_core_ml_releases_its_inputs_late(tmp_path, misuse):
+    # the double crashes where Core ML's late release, off the GIL, could corrupt the heap
+    # (coremltools PRs #2827, #2829); coreml_predict's views never give it the chance
+    r = mac(['-c', RELEASE, misuse], tmp_path)
+    assert 'views: ok' in r.stdout and 'survived' not in r.stdout and r.returncode == -11, (r.stdout, r.stderr[-2000:])
+    assert ('after the caller had freed it' if misuse == 'temporary' else 'still held by Core ML') in r.stderr
+
+
 PLACEMENT = """
 import sys, export_ane, hetero_gpt as hg
 export_ane.export_programs(hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200), 2, 32, 'p')
@@ -273,3 +303,6 @@ def test_core_ml_errors_in_one_line():
     e = RuntimeError('{\n    NSLocalizedDescription = "Failed to build the model execution plan with error code: -5.";\n}')
     assert settings.one_line(e) == 'RuntimeError: Failed to build the model execution plan with error code: -5.'
     assert settings.one_line(ValueError('two\nlines')) == 'ValueError: two lines'
+    nested = RuntimeError('{\n    NSLocalizedDescription = "The \\"head\\" failed.";\n    NSUnderlyingError = 0x6000 '
+                          '{Error Domain=com.apple.CoreML Code=0 "(null)" UserInfo={NSLocalizedDescription=inner}};\n}')
+    assert settings.one_line(nested) == 'RuntimeError: The "head" failed.'

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -112,8 +113,10 @@ class _LateRelease:
                 while self.held and self.held[0][0] <= time.monotonic():
                     due.append(self.held.popleft()[1])
             for arrays in due:
-                for name, a in arrays.items():
-                    if sys.getrefcount(a) <= 3:  # this list, the loop's name, getrefcount's argument
+                names = {k: weakref.ref(a) for k, a in arrays.items()}
+                arrays.clear()  # Core ML's release: was it the last reference?
+                for name, ref in names.items():
+                    if ref() is None:
                         sys.stderr.write(f"macOS double: Core ML released input {name!r} after the caller had freed "
                                          "it: off the GIL that frees it (coremltools PRs #2827, #2829)\n")
                         sys.stderr.flush()
