@@ -74,8 +74,8 @@ class PowermetricsMeter:
         self.proc = subprocess.Popen(
             ['sudo', '-n', 'powermetrics', '--samplers', 'cpu_power,gpu_power,ane_power', '-i', str(interval_ms),
              '-b', '1'], stdout=subprocess.PIPE, stderr=self.err, text=True)
-        self.total, self.name = 0.0, "powermetrics (CPU+GPU+ANE)"
-        self.parts = dict(CPU=0.0, GPU=0.0, ANE=0.0)  # joules of each, as the total
+        self.name = "powermetrics (CPU+GPU+ANE)"
+        self.parts = dict(CPU=0.0, GPU=0.0, ANE=0.0)  # joules of each so far
         first = threading.Event()
 
         def reader():
@@ -86,7 +86,6 @@ class PowermetricsMeter:
                 elif (m := self.POWER.match(line)) and m.group(1) not in seen:
                     seen.add(m.group(1))
                     self.parts[m.group(1)] += int(m.group(2)) / 1000 * dt
-                    self.total += int(m.group(2)) / 1000 * dt
                     first.set()
         threading.Thread(target=reader, daemon=True).start()
         deadline = time.monotonic() + wait_s
@@ -101,7 +100,7 @@ class PowermetricsMeter:
                 raise OSError(f"powermetrics printed no power lines within {wait_s:.0f} s")
 
     def joules(self):
-        return self.total
+        return sum(self.parts.values())
 
     def close(self):
         """SIGTERM: sudo passes it on to powermetrics (a SIGKILL would leave root's running)."""
