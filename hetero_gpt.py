@@ -17,22 +17,21 @@ ANE's arithmetic without the ANE. Everything macOS-only sits behind `coreml_pred
 
 Sections, in the order data flows: 1 config, 2 model, 3 the hand-derived forward and
 backward and its PyTorch backend, 4 the Core ML program and its engine, 5 the PyTorch
-engines, 6 the concurrent step, 7 the training loop. Beside it, the plumbing: standin.py
-(the off-Mac stand-in's speed; every mode trains without it), export_ane.py (packages,
-NumPy evaluator, report), settings.py, run_files.py, distributed.py, energy.py, bench.py.
+engines, 6 the concurrent step, 7 the training loop. The files this one uses sit in
+plumbing/ and never import it; tools/ holds what extends it (tools/fast_standin.py: the
+stand-in's speed off a Mac).
 """
 import atexit
 import collections
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,19 +39,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import settings  # first: the files beside this one take UserError from it
-import distributed
-import energy
-import run_files
-from settings import ON_MAC, UserError, parse_args, resolve_device, resolve_dtype  # noqa: F401 (hg.parse_args, ...)
+import prepare_data  # defines: load (checked token arrays), DataError, get_encoding
+from plumbing import checkpoints  # defines: check_out_dir, resume, state, save_checkpoint, diverged
+from plumbing import distributed  # defines: join_ranks, rank_share, all_reduce_sum, gather, leave
+from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
+from plumbing import memory  # defines: preflight (refuses a run that will not fit)
+from plumbing import programs  # defines: ensure, read_meta, load_compiled, numpy_programs, the ANE's limits
+from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
+from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own)
+from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # the ANE's largest dimension; fp16 overflow
+from plumbing.settings import ON_MAC, UserError, setting  # macOS?; an error the user fixes; a flag
 
-ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes (coreml_and_ane.md section 2)
-ANE_MEMORY = 3.75 * 2**30  # the ANE's address space on M1-class chips: a program past it runs on the CPU
-ANE_BATCH = 4  # the ANE's default sequences per call: its programs' live memory well inside ANE_MEMORY
-# The ANE's fp16 does not overflow to inf: matmul outputs go wrong near 32752 = 2^15 - 16 and
-# inf does not propagate (coreml_and_ane.md section 2). So an output within 2x of that, 2^14 or more,
-# is an overflow; the loss scale grows only while its outputs would stay below half of this.
-ANE_OVERFLOW = 2.0 ** 14
 CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per core
 
 # -----------------------------------------------------------------------------
@@ -60,29 +57,14 @@ CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per cor
 # `python hetero_gpt.py --name value` overrides any of them; --help lists them.
 # The model's fields are GPTConfig's; Config adds the run's. Both are flags.
 
-
-def opt(default, help):
-    return field(default=default, metadata={'help': help})
-
-
 @dataclass
 class GPTConfig:  # defaults: GPT-2 124M
-    block_size: int = opt(1024, "context length in tokens")
-    vocab_size: int = opt(50257, "GPT-2 BPE vocabulary")
-    n_layer: int = opt(12, "transformer blocks")
-    n_head: int = opt(12, "attention heads per block")
-    n_embd: int = opt(768, "embedding width")
-    bias: bool = opt(True, "biases in linear layers and LayerNorms, as GPT-2 (False: nanoGPT's bias=False)")
-
-    def __post_init__(self):
-        if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) < 1:
-            raise UserError(f"every model size must be at least 1: {self}")
-        if self.n_embd % self.n_head:
-            raise UserError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-
-    def flags(self):
-        """The command-line flags that give this configuration (for messages)."""
-        return ' '.join(f'--{f.name} {getattr(self, f.name)}' for f in dataclasses.fields(GPTConfig))
+    block_size: int = setting(1024, "context length in tokens")
+    vocab_size: int = setting(50257, "GPT-2 BPE vocabulary")
+    n_layer: int = setting(12, "transformer blocks")
+    n_head: int = setting(12, "attention heads per block")
+    n_embd: int = setting(768, "embedding width")
+    bias: bool = setting(True, "biases in linear layers and LayerNorms, as GPT-2 (False: nanoGPT's bias=False)")
 
 
 def model_config(cfg):
@@ -93,52 +75,48 @@ def model_config(cfg):
 @dataclass
 class Config(GPTConfig):
     # data
-    dataset: str = opt('shakespeare', "data set under data/<name>/ (prepare_data.py makes it)")
-    data_dir: str = opt('data', "folder that holds the prepared data sets")
+    dataset: str = setting('shakespeare', "data set under data/<name>/ (prepare_data.py makes it)")
+    data_dir: str = setting('data', "folder that holds the prepared data sets")
     # optimisation
-    batch_size: int = opt(8, "sequences per microbatch")
-    gradient_accumulation_steps: int = opt(4, "microbatches per optimizer step (hetero splits these)")
-    max_iters: int = opt(1000, "optimizer steps (0: none; a resumed run stops at this step too)")
-    learning_rate: float = opt(3e-4, "peak learning rate")
-    min_lr: float = opt(3e-5, "learning rate at the end of the cosine decay")
-    warmup_iters: int = opt(100, "linear warm-up steps")
-    weight_decay: float = opt(0.1, "AdamW weight decay (2-D weights only)")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.95, "AdamW beta2")
-    grad_clip: float = opt(1.0, "clip the averaged gradient's norm to this (0: off)")
+    batch_size: int = setting(8, "sequences per microbatch")
+    gradient_accumulation_steps: int = setting(4, "microbatches per optimizer step (hetero splits these)")
+    max_iters: int = setting(1000, "optimizer steps (0: none; a resumed run stops at this step too)")
+    learning_rate: float = setting(3e-4, "peak learning rate")
+    min_lr: float = setting(3e-5, "learning rate at the end of the cosine decay")
+    warmup_iters: int = setting(100, "linear warm-up steps")
+    weight_decay: float = setting(0.1, "AdamW weight decay (2-D weights only)")
+    beta1: float = setting(0.9, "AdamW beta1")
+    beta2: float = setting(0.95, "AdamW beta2")
+    grad_clip: float = setting(1.0, "clip the averaged gradient's norm to this (0: off)")
     # engines
-    mode: str = opt('auto', "gpu | ane | hetero | auto (hetero on macOS, gpu elsewhere)")
-    device: str = opt('auto', "GPU engine device: auto (mps > cuda > cpu), cpu, cuda, cuda:1, mps")
-    dtype: str = opt('auto', "GPU engine precision: auto (bf16 on CUDA, fp32 else), float32, bfloat16, float16")
-    ane_device: str = opt('auto', "off macOS, device of the eager stand-in for the ANE (auto: the GPU engine's)")
-    ane_dtype: str = opt('float16', "off macOS, precision of the eager stand-in (float16 = the ANE's)")
-    ane_fraction: str = opt('auto', "share of microbatches for the ANE: a number in [0,1] or auto (rebalance)")
-    ane_batch_size: int = opt(0, "sequences per ANE call; a divisor of batch_size (0: the largest up to 4)")
-    ane_programs: str = opt('', "folder of the ANE's Core ML programs (default: out_dir/ane_B{ane_batch}_T{block})")
-    ane_worker: bool = opt(True, "run the ANE engine in a worker process (on macOS; off it, when it is on the CPU)")
-    ane_evaluator: str = opt('eager', "off macOS, the ANE programs' runner: eager (PyTorch) or numpy (slow)")
-    ane_load_timeout: float = opt(3600.0, "seconds the ANE worker may take to start and compile its programs")
-    loss_scale: float = opt(1024.0, "GPU engine's initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
-    ane_loss_scale: float = opt(256.0, "ANE engine's initial loss scale (as published ANE training); grows only far from fp16's max")
-    scale_window: int = opt(200, "finite steps before the fp16 loss scale grows")
-    compile: bool = opt(False, "torch.compile the GPU engine's model and (standin.py) the eager engine's derivation")
-    fused_kernels: bool = opt(False, "off macOS, the stand-in's pieces as fused kernels (standin.py; fp32 inside)")
+    mode: str = setting('auto', "gpu | ane | hetero | auto (hetero on macOS, gpu elsewhere)")
+    device: str = setting('auto', "GPU engine device: auto (mps > cuda > cpu), cpu, cuda, cuda:1, mps")
+    dtype: str = setting('auto', "GPU engine precision: auto (bf16 on CUDA, fp32 else), float32, bfloat16, float16")
+    ane_device: str = setting('auto', "off macOS, device of the eager stand-in for the ANE (auto: the GPU engine's)")
+    ane_dtype: str = setting('float16', "off macOS, precision of the eager stand-in (float16 = the ANE's)")
+    ane_fraction: str = setting('auto', "share of microbatches for the ANE: a number in [0,1] or auto (rebalance)")
+    ane_batch_size: int = setting(0, "sequences per ANE call; a divisor of batch_size (0: the largest up to 4)")
+    ane_programs: str = setting('', "folder of the ANE's Core ML programs (default: out_dir/ane_B{ane_batch}_T{block})")
+    ane_worker: bool = setting(True, "run the ANE engine in a worker process (on macOS; off it, when it is on the CPU)")
+    ane_evaluator: str = setting('eager', "off macOS, the ANE programs' runner: eager (PyTorch) or numpy (slow)")
+    ane_load_timeout: float = setting(3600.0, "seconds the ANE worker may take to start and compile its programs")
+    loss_scale: float = setting(1024.0, "GPU engine's initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
+    ane_loss_scale: float = setting(256.0, "ANE engine's initial loss scale (as published ANE training); grows only far from fp16's max")
+    scale_window: int = setting(200, "finite steps before the fp16 loss scale grows")
+    compile: bool = setting(False, "torch.compile the GPU engine's model")
     # evaluation, logging, checkpoints
-    eval_interval: int = opt(100, "evaluate validation loss and save a checkpoint every this many steps")
-    eval_iters: int = opt(20, "validation batches per evaluation (0: the full validation split)")
-    eval_seconds: float = opt(0.0, "also evaluate each time training time passes a multiple of this (0: off)")
-    log_interval: int = opt(10, "print and log training metrics every this many steps")
-    out_dir: str = opt('out', "checkpoints and metrics.jsonl go here")
-    resume: bool = opt(False, "resume from out_dir/ckpt.pt")
-    overwrite: bool = opt(False, "start over in an out_dir that holds a run (deletes its checkpoints and metrics)")
-    max_bad_steps: int = opt(10, "stop after this many steps in a row without a usable gradient (0: never)")
-    sample_tokens: int = opt(200, "tokens of text sampled at the end (0: none)")
-    seed: int = opt(1337, "seed for weights and batch order")
-    quiet: bool = opt(False, "no progress bar")
-    dist_timeout: float = opt(600.0, "under torchrun, seconds a rank waits for the others before it stops the run")
-
-    def __post_init__(self):  # checked in setup(), once the CPU defaults are in
-        pass
+    eval_interval: int = setting(100, "evaluate validation loss and save a checkpoint every this many steps")
+    eval_iters: int = setting(20, "validation batches per evaluation (0: the full validation split)")
+    eval_seconds: float = setting(0.0, "also evaluate each time training time passes a multiple of this (0: off)")
+    log_interval: int = setting(10, "print and log training metrics every this many steps")
+    out_dir: str = setting('out', "checkpoints and metrics.jsonl go here")
+    resume: bool = setting(False, "resume from out_dir/ckpt.pt")
+    overwrite: bool = setting(False, "start over in an out_dir that holds a run (deletes its checkpoints and metrics)")
+    max_bad_steps: int = setting(10, "stop after this many steps in a row without a usable gradient (0: never)")
+    sample_tokens: int = setting(200, "tokens of text sampled at the end (0: none)")
+    seed: int = setting(1337, "seed for weights and batch order")
+    quiet: bool = setting(False, "no progress bar")
+    dist_timeout: float = setting(600.0, "under torchrun, seconds a rank waits for the others before it stops the run")
 
 
 # What the default run becomes on a machine with no accelerator, for settings the user
@@ -146,8 +124,8 @@ class Config(GPTConfig):
 CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8,
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
-# On a Mac: the same 32 sequences a step in microbatches of 2, so that GPT-2 124M in hetero
-# mode fits a 16 GB Mac (ane_check.memory_estimate: ~8.5 GiB; 4 would take ~13); a larger Mac can raise it.
+# On a Mac: 32 sequences a step in microbatches of 2, so that GPT-2 124M in hetero mode
+# fits a 16 GB Mac (plumbing/memory.py estimates it); a larger Mac can raise it.
 MAC_DEFAULTS = dict(batch_size=2, gradient_accumulation_steps=16)
 
 
@@ -207,13 +185,6 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
-        # Tensor cores want aligned rows: with GPT-2's odd 50257 the three LM-head matmuls take
-        # a slow path (bf16, H200: 62 vs 42 ms a step). So the matmul runs on the weight padded
-        # with `pad` zero rows to a multiple of 64, and a constant bias of -inf on those rows
-        # drops them from the softmax and the gradients: GPT-2's loss, at the aligned speed.
-        V, self.pad = config.vocab_size, -config.vocab_size % 64
-        self.register_buffer('pad_logits', torch.cat([torch.zeros(V), torch.full((self.pad,), -math.inf)])
-                             if self.pad else None, persistent=False)  # not in the state dict
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if pn.endswith('c_proj.weight'):
@@ -238,16 +209,10 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
-        if self.pad:  # (see __init__) under autocast, pad autocast's bf16/fp16 copy: half the bytes
-            w, dev = self.lm_head.weight, x.device.type
-            if torch.is_autocast_enabled(dev) and w.dtype == torch.float32:  # (autocast leaves fp64 be)
-                w = w.to(torch.get_autocast_dtype(dev))
-            logits = F.linear(x, F.pad(w, (0, 0, 0, self.pad)), self.pad_logits)
-        else:
-            logits = self.lm_head(x)
+        logits = self.lm_head(x)
         # under autocast the log-softmax inside cross_entropy runs in fp32
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits[..., :self.config.vocab_size], loss
+        return logits, loss
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=200):
@@ -260,7 +225,8 @@ class GPT(nn.Module):
         return idx
 
 
-def GPT_param_shapes(cfg):
+def gpt_param_shapes(cfg):
+    """GPT's parameters by name, as meta tensors: their shapes, without memory."""
     with torch.device('meta'):
         return dict(GPT(cfg).named_parameters())
 
@@ -272,7 +238,7 @@ def GPT_param_shapes(cfg):
 # sum mean max over one axis, maximum, softmax, reshape, transpose, causal_mask, pad_mask.
 # TorchOps (below) runs them eagerly; MILOps (section 4) records them as Core ML programs.
 # Each layer is a forward/backward pair: the forward returns (output, cache), the backward
-# takes that cache, so a faster backend (standin.py) overrides a whole pair, cache and all.
+# takes that cache, so a faster backend overrides a whole pair, cache and all.
 # Every op recorded here runs on the ANE: no gather, scatter, one_hot, concat or split; the
 # host does the sparse work around the dense step (host_weights, host_batch, host_grads).
 #
@@ -280,6 +246,13 @@ def GPT_param_shapes(cfg):
 # matrices, attention per head on (B, H, T, D). Not Apple's (B, C, 1, S) with 1x1 convs: the
 # weights are program *inputs*, and conv with a runtime weight compiles only at batch 1,
 # where matmul takes two runtime operands on the ANE (coreml_and_ane.md section 3).
+#
+# The programs' inputs and outputs are named (Core ML's are), by these names:
+#   h{l}_{k}        block l's weight k (BLOCK_PARAMS)   x0       the embeddings, wte[idx] + wpe
+#   wte_{j}         vocabulary chunk j of the LM head   wte_tgt  the target rows, wte[targets]
+#   lnf_w, lnf_b    the final layernorm                 loss_scale
+#   x, dy, y        a piece's input, its gradient, its output (per block)
+#   d_{name}        the gradient of input name          peak_{i} a matmul's largest |value|
 
 GELU_K = math.sqrt(2.0 / math.pi)
 
@@ -300,9 +273,6 @@ BLOCK_PARAMS = {
 class Derivation:
     """GPT-2's forward, loss and backward, each layer a pair of methods over self's ops."""
     recompute_attention = False  # True: the backward remakes P instead of caching it
-
-    def fused(self, method):  # a piece as one function to fuse (standin.CompiledOps compiles it)
-        return method
 
     # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin) as in nn.Linear
     def linear_forward(self, x, w, b):  # b None: no bias (bias=False)
@@ -357,63 +327,62 @@ class Derivation:
     def attention_forward(self, q, k, v, B, T, H):
         # y = P v
         q, k, v = self.heads(q, B, T, H), self.heads(k, B, T, H), self.heads(v, B, T, H)
-        p = self.attention_probs(q, k, T)
-        y = self.merge_heads(self.matmul(p, v), B, T)
-        return y, (q, k, v, None if self.recompute_attention else p)
+        att = self.attention_probs(q, k, T)
+        y = self.merge_heads(self.matmul(att, v), B, T)
+        return y, (q, k, v, None if self.recompute_attention else att)
 
     def attention_backward(self, dy, cache, B, T, H):
         # dv = P^T dy, dP = dy v^T, dS = P * (dP - rowsum(dP * P)) (softmax backward),
         # dq = dS k * scale, dk = dS^T q * scale. The mask is a constant: no gradient.
         dy = self.heads(dy, B, T, H)
-        q, k, v, p = cache
+        q, k, v, att = cache
         scale = 1.0 / math.sqrt(q.shape[-1])
-        if p is None:
-            p = self.attention_probs(q, k, T)
-        dv = self.matmul(p, dy, ta=True)
-        dp = self.matmul(dy, v, tb=True)
-        ds = p * (dp - self.sum(dp * p, -1)) * scale
+        if att is None:
+            att = self.attention_probs(q, k, T)
+        dv = self.matmul(att, dy, ta=True)
+        datt = self.matmul(dy, v, tb=True)
+        ds = att * (datt - self.sum(datt * att, -1)) * scale
         dq, dk = self.matmul(ds, k), self.matmul(ds, q, ta=True)
         return self.merge_heads(dq, B, T), self.merge_heads(dk, B, T), self.merge_heads(dv, B, T)
 
     # ---- the QKV projection: three (C, C) matmuls (the host sliced c_attn; no split)
-    def qkv_forward(self, a, p):
-        return tuple(self.linear_forward(a, p['w' + c], p.get('b' + c)) for c in 'qkv'), a
+    def qkv_forward(self, a, w):
+        return tuple(self.linear_forward(a, w['w' + c], w.get('b' + c)) for c in 'qkv'), a
 
-    def qkv_backward(self, dq, dk, dv, p, cache, d):
-        """da; the weight and bias gradients into d."""
-        da = None
+    def qkv_backward(self, dq, dk, dv, w, cache):
+        da, d = None, {}
         for c, dc in zip('qkv', (dq, dk, dv)):
-            dac, d['w' + c], d['b' + c] = self.linear_backward(dc, cache, p['w' + c])
+            dac, d['w' + c], d['b' + c] = self.linear_backward(dc, cache, w['w' + c])
             da = dac if da is None else da + dac
-        return da
+        return da, d
 
     # ---- one transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.))
-    # p: the block's weights by BLOCK_PARAMS name; a bias missing (bias=False) is None
-    def block_forward(self, x, p, B, T, H):
-        a, ln1 = self.layernorm_forward(x, p['ln1_w'], p.get('ln1_b'))
-        (q, k, v), qkv = self.qkv_forward(a, p)
-        y, att = self.attention_forward(q, k, v, B, T, H)
-        x = x + self.linear_forward(y, p['wo'], p.get('bo'))
-        m, ln2 = self.layernorm_forward(x, p['ln2_w'], p.get('ln2_b'))
-        h = self.linear_forward(m, p['wfc'], p.get('bfc'))
+    # w: the block's weights by BLOCK_PARAMS name; a bias missing (bias=False) is None
+    def block_forward(self, x, w, B, T, H):
+        a, ln1 = self.layernorm_forward(x, w['ln1_w'], w.get('ln1_b'))
+        (q, k, v), qkv = self.qkv_forward(a, w)
+        y, attn = self.attention_forward(q, k, v, B, T, H)
+        x = x + self.linear_forward(y, w['wo'], w.get('bo'))
+        m, ln2 = self.layernorm_forward(x, w['ln2_w'], w.get('ln2_b'))
+        h = self.linear_forward(m, w['wfc'], w.get('bfc'))
         g, gelu = self.gelu_forward(h)
-        x = x + self.linear_forward(g, p['wpr'], p.get('bpr'))
-        return x, (ln1, qkv, y, att, m, ln2, gelu)  # not g: gelu_output remakes it
+        x = x + self.linear_forward(g, w['wpr'], w.get('bpr'))
+        return x, (ln1, qkv, y, attn, m, ln2, gelu)  # not g: gelu_output remakes it
 
-    def block_backward(self, dx, p, cache, B, T, H):
+    def block_backward(self, dx, w, cache, B, T, H):
         # the forward's calls in reverse; a residual add passes dx through unchanged
-        ln1, qkv, y, att, m, ln2, gelu = cache
+        ln1, qkv, y, attn, m, ln2, gelu = cache
         d = {}
-        dg, d['wpr'], d['bpr'] = self.linear_backward(dx, self.gelu_output(gelu), p['wpr'])
+        dg, d['wpr'], d['bpr'] = self.linear_backward(dx, self.gelu_output(gelu), w['wpr'])
         dh = self.gelu_backward(dg, gelu)
-        dm, d['wfc'], d['bfc'] = self.linear_backward(dh, m, p['wfc'])
-        dmx, d['ln2_w'], d['ln2_b'] = self.layernorm_backward(dm, p['ln2_w'], ln2)
+        dm, d['wfc'], d['bfc'] = self.linear_backward(dh, m, w['wfc'])
+        dmx, d['ln2_w'], d['ln2_b'] = self.layernorm_backward(dm, w['ln2_w'], ln2)
         dx = dx + dmx
-        dy, d['wo'], d['bo'] = self.linear_backward(dx, y, p['wo'])
-        dq, dk, dv = self.attention_backward(dy, att, B, T, H)
-        da = self.qkv_backward(dq, dk, dv, p, qkv, d)
-        dax, d['ln1_w'], d['ln1_b'] = self.layernorm_backward(da, p['ln1_w'], ln1)
-        return dx + dax, {k: v for k, v in d.items() if k in p}  # no gradient for an absent bias
+        dy, d['wo'], d['bo'] = self.linear_backward(dx, y, w['wo'])
+        dq, dk, dv = self.attention_backward(dy, attn, B, T, H)
+        da, dqkv = self.qkv_backward(dq, dk, dv, w, qkv)
+        dax, d['ln1_w'], d['ln1_b'] = self.layernorm_backward(da, w['ln1_w'], ln1)
+        return dx + dax, {k: v for k, v in (d | dqkv).items() if k in w}  # no gradient for an absent bias
 
     # ---- log-sum-exp over the last axis: lse = m + log sum_v exp(z_v - m), m = max_v z_v
     # (the row max first: exp never overflows, and the largest term is exp(0) = 1)
@@ -445,21 +414,20 @@ class Derivation:
         loss = self.sum((lse - self.sum(x * w_tgt, -1)) * (1.0 / N), 0)  # (1, 1)
         return loss, (x, z, lse_c, lse)
 
-    def lm_head_backward(self, chunks, w_tgt, cache, seed):
-        # seed = loss_scale / N is dL/dloss_n. dz = seed * (softmax(z) - onehot(target)).
-        # The softmax part is exp(z - lse) = softmax_c(z) r per chunk c, softmax_c over the
-        # chunk alone and r = seed exp(lse_c - lse) one number per row. r scales rows of the
-        # (N, C) operands of the two matmuls, never the (N, Vc) matrix (Vc/C = 16x fewer
-        # numbers): dW_c = softmax_c^T (r x), dx_c = r (softmax_c W_c). The onehot part only
-        # touches the target rows: -seed * W[target] into dx, -seed * x into those rows.
+    def lm_head_backward(self, chunks, w_tgt, cache, dloss):
+        # dloss = loss_scale / N is dL/dloss_n; dz = dloss * (softmax(z) - onehot(target)).
+        # Per chunk c: exp(z - lse) = softmax_c(z) * r, with r = dloss * exp(lse_c - lse) per row.
+        # dW_c = softmax_c^T (r x), dx_c = r (softmax_c W_c).
+        # r scales the (N, C) operands, not the (N, Vc) matrix: 16x fewer numbers.
+        # The onehot part touches only the target rows: -dloss W[target] into dx, -dloss x into them.
         x, z, lse_c, lse = cache
         dx, dws = None, []
         for w, zc, lc in zip(chunks, z, lse_c):
-            p, r = self.softmax(zc, -1), self.exp(lc - lse) * seed  # (N, Vc), (N, 1)
-            dws.append(self.matmul(p, x * r, ta=True))
-            dxc = self.matmul(p, w) * r
+            probs, r = self.softmax(zc, -1), self.exp(lc - lse) * dloss  # (N, Vc), (N, 1)
+            dws.append(self.matmul(probs, x * r, ta=True))
+            dxc = self.matmul(probs, w) * r
             dx = dxc if dx is None else dx + dxc
-        return dx - w_tgt * seed, dws, x * (-1.0) * seed
+        return dx - w_tgt * dloss, dws, -x * dloss
 
     # ---- the final layernorm, the tied LM head and the loss, forward and backward
     def head_step(self, cfg, B, T, inp):
@@ -467,11 +435,11 @@ class Derivation:
         the target rows wte_tgt; loss_scale. Returns (loss, grads), grads by those names."""
         rows, spans = vocab_chunks(cfg.vocab_size)
         chunks = [inp[f'wte_{j}'] for j in range(len(spans))]
-        head_fwd, head_bwd = map(self.fused, (self.lm_head_forward, self.lm_head_backward))
         xf, lnf = self.layernorm_forward(inp['x'], inp['lnf_w'], inp.get('lnf_b'))
-        loss, head = head_fwd(xf, chunks, inp['wte_tgt'], B * T, pad=len(spans) * rows - cfg.vocab_size)
+        loss, head = self.lm_head_forward(xf, chunks, inp['wte_tgt'], B * T, pad=len(spans) * rows - cfg.vocab_size)
         grads = {}
-        dxf, dws, grads['wte_tgt'] = head_bwd(chunks, inp['wte_tgt'], head, inp['loss_scale'] * (1.0 / (B * T)))
+        dloss = inp['loss_scale'] * (1.0 / (B * T))
+        dxf, dws, grads['wte_tgt'] = self.lm_head_backward(chunks, inp['wte_tgt'], head, dloss)
         grads.update({f'wte_{j}': dw for j, dw in enumerate(dws)})
         grads['x'], grads['lnf_w'], dlnf_b = self.layernorm_backward(dxf, inp['lnf_w'], lnf)
         if 'lnf_b' in inp:
@@ -486,15 +454,14 @@ class Derivation:
         inp['loss_scale'] (so fp16 weight gradients do not flush to zero)."""
         H, L = cfg.n_head, cfg.n_layer
         blocks = [{k: inp[f'h{l}_{k}'] for k in BLOCK_PARAMS if f'h{l}_{k}' in inp} for l in range(L)]
-        block_fwd, block_bwd = map(self.fused, (self.block_forward, self.block_backward))
         x, caches = inp['x0'], []
         for l in range(L):
-            x, c = block_fwd(x, blocks[l], B, T, H)
+            x, c = self.block_forward(x, blocks[l], B, T, H)
             caches.append(c)
         loss, grads = self.head_step(cfg, B, T, inp | {'x': x})
         dx = grads.pop('x')  # ---- backward through the blocks: their calls in reverse
         for l in reversed(range(L)):
-            dx, d = block_bwd(dx, blocks[l], caches[l], B, T, H)
+            dx, d = self.block_backward(dx, blocks[l], caches[l], B, T, H)
             grads.update({f'h{l}_{k}': v for k, v in d.items()})
         grads['x0'] = dx
         return loss, grads
@@ -550,7 +517,7 @@ def vocab_chunks(V):
 def dense_input_shapes(cfg, B, T):
     """Name -> shape of every input of the dense step (the weights as host_weights makes
     them, from meta tensors), the microbatch's rows and the loss scale."""
-    weights = host_weights(GPT_param_shapes(cfg), cfg)
+    weights = host_weights(gpt_param_shapes(cfg), cfg)
     return {k: tuple(v.shape) for k, v in weights.items()} | {
         'x0': (B * T, cfg.n_embd), 'wte_tgt': (B * T, cfg.n_embd), 'loss_scale': (1, 1)}
 
@@ -602,7 +569,8 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
             elif f'h{l}_{k}' in g and third == 0:
                 grads[f'transformer.h.{l}.{name}'] = torch.cat([g[f'h{l}_{k[0]}{c}'] for c in 'qkv'], 0)
     if loss_scale != 1.0:
-        torch._foreach_div_(list(grads.values()), float(loss_scale))
+        for g in grads.values():
+            g.div_(float(loss_scale))
     return grads
 
 
@@ -616,21 +584,21 @@ def check_batch(cfg, idx, targets):
             raise ValueError(f"{name} has token ids outside [0, {cfg.vocab_size})")
 
 
-def eager_loss_and_grads(o, cfg, w, idx, targets, loss_scale):
-    """(loss, grads) by the derivation on backend o (a TorchOps): weights `w` by nanoGPT's
-    names, already in o's dtype on o's device; grads unscaled, fp32 for fp16/bf16 runs
+def eager_loss_and_grads(ops, cfg, w, idx, targets, loss_scale):
+    """(loss, grads) by the derivation on backend ops (a TorchOps): weights `w` by nanoGPT's
+    names, already in its dtype on its device; grads unscaled, fp32 for fp16/bf16 runs
     (unscaling in fp16 would flush small ones). Non-finite values come back as they are."""
     with torch.no_grad():
         inp = host_weights(w, cfg) | host_batch(w['transformer.wte.weight'], w['transformer.wpe.weight'],
                                                 cfg, idx, targets, loss_scale)
-        loss, g = o.dense_step(cfg, idx.shape[0], idx.shape[1], inp)
-        out_dtype = torch.float32 if o.dtype in (torch.float16, torch.bfloat16) else o.dtype
+        loss, g = ops.dense_step(cfg, idx.shape[0], idx.shape[1], inp)
+        out_dtype = torch.float32 if ops.dtype in (torch.float16, torch.bfloat16) else ops.dtype
         return loss.reshape(()).to(out_dtype), host_grads(g, cfg, idx, targets, loss_scale, out_dtype)
 
 
 def grads_finite(grads):
-    """Whether every gradient is finite: one fused pass (a norm is finite iff all are)."""
-    return bool(torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all())
+    """Whether every gradient is finite (a norm is finite iff all its values are): one wait."""
+    return bool(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]).isfinite().all())
 
 # -----------------------------------------------------------------------------
 # 4. The Core ML programs: the same derivation, recorded by coremltools' MIL builder.
@@ -643,11 +611,9 @@ def grads_finite(grads):
 #   head            x_L, ln_f, vocabulary chunks, target rows, loss scale
 #                                                          -> loss, d_x, d_<its weights>
 #   block_backward  x, dy, the block's weights            -> d_x, d_<weights>   (L calls)
-# block_backward recomputes its block's forward from x rather than take the forward's cache
-# through the host. For GPT-2 124M (python export_ane.py) that is 13 GFLOP per block and
-# sequence, 18% more per step; the cache would be 22M values per block and sequence (12NC +
-# HT^2): 44 MB of fp16 that predict converts to 88 MB of fp32 and copies out, then in again,
-# over the memory the GPU trains from (coreml_and_ane.md section 1). Opset macOS13: fp16 in and out.
+# block_backward recomputes its block's forward from x: 18% more FLOPs a step, where the
+# forward's cache (12NC + HT^2 values a block) would cross the host twice as fp32
+# (coreml_and_ane.md section 1). Opset macOS13: fp16 in and out.
 # 'step', the whole step as one program, can still be exported (--whole_step), to compare.
 ANE_PIECES = ('block_forward', 'head', 'block_backward')
 
@@ -676,6 +642,7 @@ class MILTensor:
     def __rmul__(self, o): return self._bin('mul', o, swap=True)
     def __truediv__(self, o): return self._bin('real_div', o)
     def __rtruediv__(self, o): return self._bin('real_div', o, swap=True)
+    def __neg__(self): return self._bin('mul', -1.0)
 
 
 class MILOps(Derivation):
@@ -756,21 +723,12 @@ class MILOps(Derivation):
         return MILTensor(self.mb.const(val=np.where(np.arange(n) < valid, 0, -1e4).astype(np.float16)))
 
 
-def import_coremltools():
-    """coremltools, without its warning off macOS that the Core ML runtime is missing."""
-    import logging
-    if not ON_MAC:
-        logging.getLogger('coremltools').setLevel(logging.ERROR)
-    import coremltools
-    return coremltools
-
-
 def check_ane_shapes(cfg, B, T):
     if B < 1 or T < 1:
-        raise UserError(f"microbatch {B}x{T} (--microbatch x --seq_len): both must be at least 1")
+        raise UserError(f"ANE calls of {B}x{T} tokens (--ane_batch_size x --block_size): both must be at least 1")
     if B * T > ANE_MAX_DIM:
-        raise UserError(f"microbatch of {B}x{T} = {B * T} tokens: the ANE program keeps tokens on one "
-                        f"axis, which must be at most {ANE_MAX_DIM}; use a smaller --microbatch")
+        raise UserError(f"ANE calls of {B}x{T} = {B * T} tokens: the ANE program keeps tokens on one axis, "
+                        f"which must be at most {ANE_MAX_DIM}; use a smaller --ane_batch_size")
     if T > cfg.block_size:
         raise UserError(f"sequence length {T} is longer than block_size {cfg.block_size}")
 
@@ -787,40 +745,46 @@ def piece_input_shapes(cfg, B, T, piece):
     return x | dy | {k: shapes[f'h0_{k}'] for k in BLOCK_PARAMS if f'h0_{k}' in shapes}
 
 
-def run_piece(o, cfg, B, T, piece, inp):
-    """A program's outputs by name from its inputs, on backend o: what MILOps records as the
+def run_piece(ops, cfg, B, T, piece, inp):
+    """A program's outputs by name from its inputs, on backend ops: what MILOps records as the
     program is what TorchOps runs as its stand-in. The gradient of input k is 'd_' + k."""
     if piece == 'step':
-        loss, g = o.dense_step(cfg, B, T, inp)
+        loss, g = ops.dense_step(cfg, B, T, inp)
     elif piece == 'head':
-        loss, g = o.head_step(cfg, B, T, inp)
+        loss, g = ops.head_step(cfg, B, T, inp)
     else:
-        p = {k: inp[k] for k in BLOCK_PARAMS if k in inp}
-        y, cache = o.block_forward(inp['x'], p, B, T, cfg.n_head)
+        w = {k: inp[k] for k in BLOCK_PARAMS if k in inp}
+        y, cache = ops.block_forward(inp['x'], w, B, T, cfg.n_head)
         if piece == 'block_forward':
             return {'y': y}
-        dx, g = o.block_backward(inp['dy'], p, cache, B, T, cfg.n_head)
+        dx, g = ops.block_backward(inp['dy'], w, cache, B, T, cfg.n_head)
         return {'d_x': dx} | {'d_' + k: v for k, v in g.items()}
     return {'loss': loss} | {'d_' + k: v for k, v in g.items()}
+
+
+def mil_program(fn, shapes):
+    """A MIL Program of fn(MILOps(), **fp16 inputs of these shapes) -> {name: MILTensor}."""
+    ct = settings.import_coremltools()
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import Function, Program, types
+    placeholders = {k: mb.placeholder(shape=s, dtype=types.fp16) for k, s in shapes.items()}
+    with Function(placeholders, opset_version=ct.target.macOS13) as f:
+        out = fn(MILOps(), **{k: MILTensor(v) for k, v in f.inputs.items()})
+        f.set_outputs([mb.identity(x=v.v, name=k) for k, v in out.items()])
+    prog = Program()
+    prog.add_function('main', f)
+    return prog
 
 
 def build_coreml_program(cfg, B, T, piece='step'):
     """run_piece(MILOps) as a MIL Program: fp16 inputs piece_input_shapes(cfg, B, T, piece),
     fp16 outputs by run_piece's names, and the peaks (MILOps.peaks)."""
-    ct = import_coremltools()
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import Function, Program, types
     check_ane_shapes(cfg, B, T)
-    shapes = piece_input_shapes(cfg, B, T, piece)
-    placeholders = {k: mb.placeholder(shape=s, dtype=types.fp16) for k, s in shapes.items()}
-    with Function(placeholders, opset_version=ct.target.macOS13) as fn:
-        ops = MILOps()
-        out = run_piece(ops, cfg, B, T, piece, {k: MILTensor(v) for k, v in fn.inputs.items()})
-        out |= ops.peaks(list(out.values()))
-        fn.set_outputs([mb.identity(x=v.v, name=k) for k, v in out.items()])
-    prog = Program()
-    prog.add_function('main', fn)
-    return prog
+
+    def fn(ops, **inp):
+        out = run_piece(ops, cfg, B, T, piece, inp)
+        return out | ops.peaks(list(out.values()))
+    return mil_program(fn, piece_input_shapes(cfg, B, T, piece))
 
 
 HELD = collections.deque()  # [when the call returned, the inputs of one Core ML call]
@@ -848,23 +812,22 @@ def _outlive_core_ml():  # the last calls' inputs are freed at exit: after Core 
         time.sleep(max(0.0, HELD[-1][0] + 2 - time.monotonic()))
 
 
-def coreml_predict_fn(programs, pieces):
+def coreml_predict_fn(path, pieces):
     """THE macOS SEAM: predict(piece, inputs) -> outputs, by Core ML on CPU + Neural Engine,
-    each program compiled once into a cache beside it (export_ane.compiled_model: loading an
+    each program compiled once into a cache beside it (programs.load_compiled: loading an
     .mlpackage would compile it again at every start, coreml_and_ane.md section 1).
     Everything else in this file runs anywhere; off macOS the saved programs run in the NumPy
     evaluator."""
-    import export_ane
     if not ON_MAC:
-        return export_ane.numpy_programs(programs, pieces)
-    ct = import_coremltools()
+        return programs.numpy_programs(path, pieces)
+    ct = settings.import_coremltools()
     models = {}
-    for p in pieces:
+    for piece in pieces:
         try:
-            models[p] = export_ane.load_compiled(programs, p, lambda path: ct.models.CompiledMLModel(
-                path, compute_units=ct.ComputeUnit.CPU_AND_NE))
+            models[piece] = programs.load_compiled(path, piece, lambda compiled: ct.models.CompiledMLModel(
+                compiled, compute_units=ct.ComputeUnit.CPU_AND_NE))
         except Exception as e:  # a compile or load that failed: named, in one line
-            raise UserError(f"Core ML could not compile or load the program {p} ({settings.one_line(e)})") from None
+            raise UserError(f"Core ML could not compile or load the program {piece} ({settings.one_line(e)})") from None
     return lambda piece, inputs: coreml_predict(models[piece], inputs)
 
 
@@ -872,19 +835,16 @@ class Engine:
     """What the step needs of an engine: loss_and_grads(idx, targets) -> (0-dim loss, {param
     name: gradient}) of one microbatch, fp32 (fp64 runs: fp64) tensors the caller owns; name
     ('gpu' or 'ane'), label, device, scaler (a LossScaler); load_weights(params), once per
-    step; running(), a context for its thread (standin.py: a CUDA stream)."""
+    step. Each engine runs in a thread of its own (HeteroStep)."""
     def load_weights(self, params):
         pass
-
-    def running(self):
-        return contextlib.nullcontext()
 
 
 class CoreMLEngine(Engine):
     """The ANE engine: its programs, chained by the host around the sparse work. predict(piece,
     inputs) -> outputs runs one (Core ML: coreml_predict_fn; the NumPy evaluator; the eager
     stand-in), the one function to replace. A call takes any multiple of its own B sequences.
-    It runs in a worker process (ane_worker.py) or here, where on a Mac predict holds the GIL."""
+    It runs in a worker process (plumbing/worker.py) or here, where on a Mac predict holds the GIL."""
     name = 'ane'
     device = torch.device('cpu')
 
@@ -892,7 +852,7 @@ class CoreMLEngine(Engine):
         check_ane_shapes(cfg, B, T)
         self.cfg, self.B, self.T, self.predict, self.pieces = cfg, B, T, predict, tuple(pieces)
         self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
-        self.label, self.checked = label, False
+        self.label = label
         # Persistent fp32 buffers, made once: coremltools wraps fp32 arrays without a copy but
         # makes a new fp32 array of every fp16 one (coreml_and_ane.md section 1).
         N, C, L = B * T, cfg.n_embd, cfg.n_layer
@@ -903,20 +863,7 @@ class CoreMLEngine(Engine):
         self.blocks = [{k: self.inputs[f'h{l}_{k}'] for k in piece_input_shapes(cfg, B, T, 'block_forward')
                         if k != 'x'} for l in range(L)]
 
-    def check(self, config=None, microbatch=None):
-        c, (b, t) = config or self.cfg, tuple(microbatch or (self.B, self.T))
-        if c != self.cfg or t != self.T or b % self.B:
-            raise UserError(f"the ANE programs were made for {self.cfg} and {self.B}x{self.T}-token calls; they "
-                            f"cannot run {c} on {b}x{t}: export them for it with `python export_ane.py {c.flags()} "
-                            f"--microbatch B --seq_len {t}`, B dividing {b}")
-
     def load_weights(self, params):
-        if not self.checked:  # (once per step) first: are these the weights of the exported model?
-            if {k: tuple(p.shape) for k, p in params.items()} != {
-                    k: tuple(p.shape) for k, p in GPT_param_shapes(self.cfg).items()}:
-                raise UserError(f"the ANE programs were exported for another model ({self.cfg}): re-export "
-                                "them with export_ane.py for this one")
-            self.checked = True
         for k, v in host_weights({k: p.detach() for k, p in params.items()}, self.cfg).items():
             np.copyto(self.inputs[k], v.float().cpu().numpy())
         self.wte = params['transformer.wte.weight'].detach().float().cpu()
@@ -925,17 +872,14 @@ class CoreMLEngine(Engine):
     def loss_and_grads(self, idx, targets):
         b, t = idx.shape
         if t != self.T or b % self.B:
-            self.check(microbatch=(b, t))
+            raise ValueError(f"the ANE programs take calls of {self.B}x{self.T} tokens, not a microbatch of {b}x{t}")
         idx, targets, loss, grads = idx.cpu(), targets.cpu(), 0.0, None
         for i in range(0, b, self.B):  # the mean of equal-sized means is the mean
             l, g = self._call(idx[i:i + self.B], targets[i:i + self.B])
             loss += l
-            if grads is None:
-                grads = g
-            else:
-                torch._foreach_add_(list(grads.values()), list(g.values()))
-        if b > self.B:
-            torch._foreach_div_(list(grads.values()), float(b // self.B))
+            grads = g if grads is None else {k: v.add_(g[k]) for k, v in grads.items()}
+        for v in grads.values() if b > self.B else ():
+            v.div_(b // self.B)
         return torch.tensor(loss / (b // self.B)), grads
 
     def _call(self, idx, targets):
@@ -952,8 +896,8 @@ class CoreMLEngine(Engine):
         peak = float(np.max(peaks))  # nan if any output holds a nan
         self.scaler.peak = max(self.scaler.peak, peak)
         g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in out.items() if k.startswith('d_')}
-        # an overflow, told by magnitude (ANE_OVERFLOW) in any output, the peaks included, makes the
-        # loss inf: the step drops these gradients and lowers the loss scale
+        # an overflow (an output past ANE_OVERFLOW, the peaks included) makes the loss inf:
+        # the step drops these gradients and lowers the loss scale
         loss = float(np.asarray(out['loss']).reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
 
@@ -1008,22 +952,22 @@ class AutogradEngine(Engine):
 class EagerEngine(Engine):
     """The derivation, eagerly, on its own copy of the weights in its dtype."""
     name = 'ane'
-    ops = TorchOps  # the backend class (standin.py's engine passes a fused or compiled one)
 
     def __init__(self, cfg, device, dtype, scaler):
         self.cfg, self.device, self.dtype, self.scaler = cfg, device, dtype, scaler
-        self.o = self.ops(dtype, device)
+        self.ops = TorchOps(dtype, device)
         self.w = None
         self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
 
     @torch.no_grad()
     def load_weights(self, params):
-        if self.w is None:  # buffers made once, refreshed in place: one fused copy and cast
+        if self.w is None:  # buffers made once, refreshed in place
             self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device) for k, p in params.items()}
-        torch._foreach_copy_(list(self.w.values()), list(params.values()))
+        for k, p in params.items():
+            self.w[k].copy_(p)
 
     def loss_and_grads(self, idx, targets):
-        return eager_loss_and_grads(self.o, self.cfg, self.w, idx.to(self.device), targets.to(self.device),
+        return eager_loss_and_grads(self.ops, self.cfg, self.w, idx.to(self.device), targets.to(self.device),
                                     self.scaler.scale)
 
 
@@ -1096,24 +1040,27 @@ class Split:
         self.k, self.sec, self.steps = s['k'] if s.get('n', self.n) == self.n else self.k, s['sec'], s['steps']
 
 
-def run_engine(engine, microbatches, out):
-    """Thread body: forward+backward of each microbatch, gradients summed into `out`."""
-    try:
-        t0 = time.perf_counter()
-        acc, loss = None, 0.0
-        with engine.running():  # (standin.py's engine: its own CUDA stream, sums included)
-            for idx, targets in microbatches:
-                l, g = engine.loss_and_grads(idx, targets)
-                if acc is None:
-                    acc = g  # every call returns tensors of its own: the sums go into the first
-                else:
-                    torch._foreach_add_(list(acc.values()), list(g.values()))  # one launch
-                loss = loss + l.float()  # a tensor: no wait for the device until the end
-            finite = grads_finite(acc | {'loss': loss.reshape(1)})  # the one wait for the device
-        out.update(grads=acc, loss=float(loss), finite=finite, n=len(microbatches),
-                   seconds=time.perf_counter() - t0)
-    except Exception as e:  # reported by the caller; training goes on with the other engine
-        out['error'] = e
+def run_engine(engine, microbatches):
+    """Thread body: forward+backward of each microbatch; the sum of their gradients."""
+    t0 = time.perf_counter()
+    acc, loss = None, 0.0
+    for idx, targets in microbatches:
+        l, g = engine.loss_and_grads(idx, targets)
+        if acc is None:
+            acc = g  # every call returns tensors of its own: the sums go into the first
+        else:
+            for k, v in acc.items():
+                v.add_(g[k])
+        loss = loss + l.float()  # a tensor: no wait for the device until the end
+    finite = grads_finite(acc | {'loss': loss.reshape(1)})  # the one wait for the device
+    return dict(grads=acc, loss=float(loss), finite=finite, n=len(microbatches), seconds=time.perf_counter() - t0)
+
+
+def merge(a, b):
+    """Two runs of one engine (run_engine's results) as one: b's gradients added into a's."""
+    for k, v in a['grads'].items():
+        v.add_(b['grads'][k])
+    return a | dict(loss=a['loss'] + b['loss'], n=a['n'] + b['n'], finite=a['finite'] and b['finite'])
 
 
 class HeteroStep:
@@ -1151,25 +1098,22 @@ class HeteroStep:
         for name in self.alive:
             if name != 'gpu' and shares[name]:
                 self.engines[name].load_weights(self.params)
-        # one thread per engine; the ANE engine's waits on its worker process without the GIL
-        working = sorted((n for n in self.alive if shares[n]), key=lambda n: n != 'gpu')
-        results = {name: {} for name in working}
-        if len(working) == 1:  # one engine: run it right here, no thread to hand off to
-            run_engine(self.engines[working[0]], shares[working[0]], results[working[0]])
-        else:
-            futures = [self.threads[n].submit(run_engine, self.engines[n], shares[n], results[n]) for n in working]
-            for f in futures:
-                f.result()
-        self._recover(results, shares)
+        # each engine in its own thread; the ANE engine's waits on its worker process without the GIL
+        futures = {n: self.threads[n].submit(run_engine, self.engines[n], shares[n]) for n in self.alive if shares[n]}
+        results, errors = {}, {}
+        for name, f in futures.items():
+            try:
+                results[name] = f.result()
+            except Exception as e:  # reported in _recover; training goes on with the other engine
+                errors[name] = e
+        self._recover(results, errors, shares)
         return self._combine(results)
 
-    def _recover(self, results, shares):
+    def _recover(self, results, errors, shares):
         """An engine that raised is reported once and retired; the other engine then runs
         its microbatches too, so the step still averages over its whole batch."""
-        failed = [n for n, r in results.items() if 'error' in r]
-        self.alive -= set(failed)
-        for name in failed:
-            error = results.pop(name)['error']
+        self.alive -= set(errors)
+        for name, error in errors.items():
             self.dropped[name] += 1
             self.log(f"engine '{name}' ({self.engines[name].label}) failed: {error!r}; "
                      f"continuing with {sorted(self.alive) or 'nothing'}")
@@ -1178,16 +1122,11 @@ class HeteroStep:
             other = next(iter(self.alive))
             if other != 'gpu' and not shares[other]:  # it had no share, so no weights of this step
                 self.engines[other].load_weights(self.params)
-            redo = {}
-            run_engine(self.engines[other], shares[name], redo)
-            if 'error' in redo:
-                raise RuntimeError("both engines failed") from redo['error']
-            r = results.setdefault(other, redo)
-            if r is not redo:  # add the re-run microbatches to the other engine's sums
-                torch._foreach_add_(list(r['grads'].values()), [redo['grads'][k] for k in r['grads']])
-                r['loss'] += redo['loss']
-                r['n'] += redo['n']
-                r['finite'] = r['finite'] and redo['finite']
+            try:
+                redo = self.threads[other].submit(run_engine, self.engines[other], shares[name]).result()
+            except Exception as e:
+                raise RuntimeError("both engines failed") from e
+            results[other] = merge(results[other], redo) if other in results else redo
 
     def _combine(self, results):
         used = {}
@@ -1204,10 +1143,7 @@ class HeteroStep:
         total = None
         for r in used.values():  # the engines' sums are their own buffers: added to in place
             g = [r['grads'][pn].to(master, p.dtype) for pn, p in self.params.items()]
-            if total is None:
-                total = g
-            else:
-                torch._foreach_add_(total, g)
+            total = g if total is None else [t.add_(x) for t, x in zip(total, g)]
         if distributed.world()[1] > 1:  # torchrun: every rank's sums and counts (nothing usable: 0s)
             total = total or [torch.zeros_like(p) for p in self.params.values()]
             *total, n_loss = distributed.all_reduce_sum(total + [total[0].new_tensor([n, loss])])
@@ -1215,10 +1151,8 @@ class HeteroStep:
         if n == 0:  # no usable gradient on any rank: no update
             self.skipped += 1
             return dict(loss=float('nan'), n=0, used=[], results=results)
-        if n > 1:
-            torch._foreach_div_(total, float(n))
         for p, g in zip(self.params.values(), total):
-            p.grad = g.to(p.dtype)
+            p.grad = g.div_(n).to(p.dtype)
         return dict(loss=loss / n, n=n, used=sorted(used), results=results)
 
     def update(self, out, grad_clip=0.0):
@@ -1240,7 +1174,6 @@ class HeteroStep:
 
 def load_data(cfg):
     """train/val token arrays (uint16 memmaps), checked; a known data set is prepared first."""
-    import prepare_data
     try:
         return prepare_data.load(cfg.data_dir, cfg.dataset, cfg.block_size, cfg.vocab_size)
     except prepare_data.DataError as e:
@@ -1301,24 +1234,37 @@ def make_optimizer(model, cfg, device):
                              fused=device.type in ('cuda', 'mps'))  # (MPS: torch 2.4+)
 
 
-def eager_engine_class(cfg, device):
-    """The eager stand-in's class: standin.py's (fused kernels, torch.compile, CUDA graph, own
-    stream) where that file exists and has something to add, else this file's plain one."""
-    try:
-        import standin  # the one place this file imports it: every mode runs without it
-    except ImportError:
-        if cfg.fused_kernels:
-            raise UserError("--fused_kernels needs standin.py (the stand-in's fast paths), which is absent")
-        return EagerEngine
-    if cfg.fused_kernels or cfg.compile or device.type == 'cuda':
-        return functools.partial(standin.FastEagerEngine, fused_kernels=cfg.fused_kernels, compile=cfg.compile)
-    return EagerEngine
+def ane_spec(cfg, dtype, log=print):
+    """What builds the ANE engine (ane_engine), in plain values a worker process can take: the
+    programs (exported now if they are not there yet), or the derivation in PyTorch."""
+    mcfg, B, T = model_config(cfg), settings.ane_batch(cfg), cfg.block_size
+    evaluator = 'coreml' if ON_MAC else cfg.ane_evaluator
+    path = cfg.ane_programs or os.path.join(cfg.out_dir, f'ane_B{B}_T{T}')
+    if evaluator != 'eager':
+        path = programs.ensure(path, mcfg, B, T, build_coreml_program, ANE_PIECES, bool(cfg.ane_programs), log)
+    return dict(cfg=dataclasses.asdict(mcfg), shapes={k: tuple(p.shape) for k, p in gpt_param_shapes(mcfg).items()},
+                B=B, T=T, max_batch=cfg.batch_size, evaluator=evaluator, dtype=str(dtype).split('.')[-1],
+                programs=None if evaluator == 'eager' else path)
 
 
-def ane_placement(cfg, device):
-    """(the ANE stand-in's device off a Mac, whether the ANE engine runs in a worker process)."""
-    ane_dev = device if cfg.ane_device == 'auto' or ON_MAC else resolve_device(cfg.ane_device, '--ane_device')
-    return ane_dev, cfg.ane_worker and (ON_MAC or ane_dev.type == 'cpu')
+def ane_engine(spec, scaler=None):
+    """The ANE engine a spec describes: a CoreMLEngine on the programs in spec['programs'] (Core
+    ML on a Mac, the NumPy evaluator elsewhere), or with evaluator 'eager' on the derivation
+    run by PyTorch on the CPU. Built here, or in the worker process, which calls this function."""
+    if spec.get('programs'):
+        meta = programs.read_meta(spec['programs'])
+        cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
+        label = f"Core ML programs {spec['programs']}" + ('' if ON_MAC else ' (NumPy evaluator)')
+        return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'],
+                            coreml_predict_fn(spec['programs'], meta['pieces']), meta['pieces'], scaler, label)
+    cfg, B, T = GPTConfig(**spec['cfg']), spec['B'], spec['T']
+    ops = TorchOps(getattr(torch, spec['dtype']), 'cpu')
+
+    @torch.no_grad()
+    def predict(piece, inputs):
+        out = run_piece(ops, cfg, B, T, piece, {k: torch.from_numpy(v).to(ops.dtype) for k, v in inputs.items()})
+        return {k: v.float().numpy() for k, v in out.items()}
+    return CoreMLEngine(cfg, B, T, predict, scaler=scaler, label=f"eager derivation on cpu ({spec['dtype']})")
 
 
 def build_engines(cfg, model, device, dtype, mode, log=print):
@@ -1328,19 +1274,21 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile,
                                         scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
     if mode in ('ane', 'hetero'):
-        ane_dev, in_worker = ane_placement(cfg, device)
-        ane_dtype = torch.float16 if ON_MAC else resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
+        ane_dev, in_worker = settings.ane_placement(cfg, device)
+        ane_dtype = torch.float16 if ON_MAC else settings.resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
         scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=ane_dtype == torch.float16,
                             limit=ANE_OVERFLOW / 2)
-        if in_worker:  # out of this process's GIL
-            import ane_worker
-            engines['ane'] = ane_worker.WorkerEngine(ane_worker.worker_spec(cfg, device, ane_dtype, log), scaler,
-                                                     log, load_timeout=cfg.ane_load_timeout)
+        if in_worker:  # out of this process's GIL: all cores but one for the thread that feeds
+            # the GPU, or half of them when the GPU engine is on the CPU too
+            threads = max(1, CPU_THREADS // 2 if device.type == 'cpu' else CPU_THREADS - 1)
+            if device.type == 'cpu':
+                torch.set_num_threads(max(1, CPU_THREADS - threads))
+            engines['ane'] = worker.WorkerEngine(ane_spec(cfg, ane_dtype, log) | dict(threads=threads), ane_engine,
+                                                 scaler, log, load_timeout=cfg.ane_load_timeout)
         elif ON_MAC or cfg.ane_evaluator == 'numpy':  # the programs in this process (on a Mac: GIL-bound)
-            import export_ane
-            engines['ane'] = export_ane.open_programs(export_ane.ensure_programs(cfg, log), scaler=scaler)
+            engines['ane'] = ane_engine(ane_spec(cfg, ane_dtype, log), scaler)
         else:
-            engines['ane'] = eager_engine_class(cfg, ane_dev)(model.config, ane_dev, ane_dtype, scaler)
+            engines['ane'] = EagerEngine(model.config, ane_dev, ane_dtype, scaler)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
                 # the CPU engine would take every core; leave one to the thread that feeds the
                 # GPU, whose kernel launches would otherwise wait behind the CPU's math
@@ -1353,20 +1301,21 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
 def build_run(cfg, device, dtype, mode, log=print):
     """What a training run (and each bench.py mode) needs: the model (fp32 master weights,
     fp64 under --dtype float64), AdamW, the mode's engines, the step, a meter."""
-    import ane_check
-    ane_check.preflight(cfg, mode, device, dtype, log)  # refuses a run that will not fit in memory
+    rows, spans = vocab_chunks(cfg.vocab_size)
+    n_params = sum(p.numel() for k, p in gpt_param_shapes(model_config(cfg)).items() if k != 'lm_head.weight')
+    memory.preflight(cfg, mode, device, dtype, n_params, rows * len(spans), log)
     model = GPT(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
     optimizer = make_optimizer(model, cfg, device)
     engines = build_engines(cfg, model, device, dtype, mode, log)
-    split = Split(len(distributed.rank_share(range(cfg.gradient_accumulation_steps))),  # this rank's share (torchrun)
-                  {'gpu': '0', 'ane': '1', 'hetero': cfg.ane_fraction}[mode])
+    n = len(distributed.rank_share(range(cfg.gradient_accumulation_steps)))  # this rank's microbatches
+    split = Split(n, {'gpu': '0', 'ane': '1', 'hetero': cfg.ane_fraction}[mode])
     meter = energy.EnergyMeter({device} | {e.device for e in engines.values()})
     return model, optimizer, engines, HeteroStep(model, engines, split, log=log, optimizer=optimizer), meter
 
 
 def setup(cfg, given, log=print):
     """Checks the configuration (settings.check) and resolves what 'auto' means here."""
-    device, dtype = settings.check(cfg, given, log)
+    device, dtype = settings.check(cfg, given, CPU_DEFAULTS, MAC_DEFAULTS, log)
     if device.type == 'cuda':  # as nanoGPT: fp32 matmuls on tensor cores (TF32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return device, dtype
@@ -1375,22 +1324,22 @@ def setup(cfg, given, log=print):
 def train(cfg, given=frozenset()):
     rank, world = distributed.join_ranks(cfg)
     device, dtype = setup(cfg, given)
-    old_run = run_files.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
+    old_run = checkpoints.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
     data = distributed.rank0_first(lambda: load_data(cfg))  # (rank 0 prepares a set that is missing)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir or '.', exist_ok=True)
     ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
-    model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log=tqdm.write if rank == 0 else
-                                                       lambda s: print(f"rank {rank}: {s}", file=sys.stderr))
+    log = tqdm.write if rank == 0 else lambda s: print(f"rank {rank}: {s}", file=sys.stderr)
+    model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log)
     split = step.split
-    it, tokens, elapsed, best_val = run_files.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
+    it, tokens, elapsed, best_val = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
     bad = 0  # steps in a row without a usable gradient
     for path in old_run if rank == 0 else []:  # (--overwrite)
         os.remove(path)
 
     def checkpoint():
         if rank == 0:
-            run_files.save_checkpoint(ckpt_path, run_files.state(cfg, model, optimizer, split, engines,
+            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines,
                                                                  iter_num=it, tokens=tokens, elapsed=elapsed,
                                                                  best_val_loss=best_val))
 
@@ -1412,30 +1361,33 @@ def train(cfg, given=frozenset()):
             for g in optimizer.param_groups:
                 g['lr'] = lr
             t0 = time.perf_counter()
-            out = step.update(step(distributed.rank_share(step_batches(cfg, data['train'], it))), cfg.grad_clip)
-            it, bad = it + 1, 0 if out['n'] else bad + 1  # n: usable microbatches, over every rank
+            microbatches = distributed.rank_share(step_batches(cfg, data['train'], it))
+            out = step(microbatches)  # both engines; the mean gradient into p.grad
+            step.update(out, cfg.grad_clip)  # one AdamW step
+            it += 1
+            bad = 0 if out['n'] else bad + 1  # n: usable microbatches, over every rank
             tokens += tok_per_step
             tok_log += tok_per_step
             elapsed += time.perf_counter() - t0
             if cfg.max_bad_steps and bad >= cfg.max_bad_steps:  # diverged: stop, before any checkpoint
-                raise run_files.diverged(cfg, it, bad, out['loss'], engines, ckpt_path)
+                raise checkpoints.diverged(cfg, it, bad, out['loss'], engines, ckpt_path)
             row = None
             if it % cfg.log_interval == 0 or it == cfg.max_iters:
                 dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
                 row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
-                           elapsed=elapsed, mode=cfg.mode, ane_microbatches=split.current(step.alive),
-                           microbatches=split.n, dropped=dict(step.dropped), skipped=step.skipped)
+                           elapsed=elapsed, mode=cfg.mode)
+                own = dict(ane_microbatches=split.current(step.alive), microbatches=split.n,
+                           dropped=dict(step.dropped), skipped=step.skipped)  # this rank's
                 for n, r in out['results'].items():
-                    row[f'{n}_tokens_per_s'] = r['n'] * cfg.batch_size * cfg.block_size / r['seconds']
-                    row[f'{n}_loss'] = r['loss'] / r['n']  # each engine's own mean: a check on the other
+                    own[f'{n}_tokens_per_s'] = r['n'] * cfg.batch_size * cfg.block_size / r['seconds']
+                    own[f'{n}_loss'] = r['loss'] / r['n']  # each engine's own mean: a check on the other
                 if 'ane' in engines:
-                    row['loss_scale'] = engines['ane'].scaler.scale
+                    own['loss_scale'] = engines['ane'].scaler.scale
                 j = meter.joules()
                 if j is not None:
-                    row['joules_per_token'] = (j - j0) / tok_log
+                    own['joules_per_token'] = (j - j0) / tok_log
                     j0 = j
-                if world > 1:  # the keys after mode are this rank's own: every rank's into rank 0's row
-                    row['ranks'] = distributed.gather({k: row.pop(k) for k in list(row)[7:]})
+                row |= own if world == 1 else dict(ranks=distributed.gather(own))  # every rank's, in rank 0's row
                 t_log, tok_log = elapsed, 0
             timed_eval = cfg.eval_seconds > 0 and elapsed >= next_eval_s
             if timed_eval:  # at fixed training time (steps only; evaluation is not counted)
@@ -1462,16 +1414,14 @@ def train(cfg, given=frozenset()):
             bar.update(1)
     except KeyboardInterrupt:
         checkpoint()
-        bar.close()
-        meter.close()
         print(f"\ninterrupted: checkpoint saved at step {it} in {ckpt_path}; continue with --resume")
         return model
-    bar.close()
-    meter.close()
-    metrics.close()
+    finally:
+        bar.close()
+        meter.close()
+        metrics.close()
     distributed.leave()
     if cfg.sample_tokens > 0 and rank == 0:
-        import prepare_data
         enc = prepare_data.get_encoding()
         start = torch.tensor([enc.encode('\n')], device=device)
         with evaluator.autocast:
@@ -1482,7 +1432,9 @@ def train(cfg, given=frozenset()):
 
 def main(argv=None, run=train, cls=Config):
     """Parses the flags (of cls) and runs `run(cfg, given)`; a UserError is one line, exit 2."""
-    cfg, given = parse_args(argv, cls)
+    cfg, given = settings.parse_args(argv, cls, (
+        "HeteroEngine: GPT-2 on GPU and ANE at once. The defaults shown are GPT-2 124M's; on a machine without "
+        "a GPU flags not given take these instead: " + ', '.join(f'{k}={v}' for k, v in CPU_DEFAULTS.items())))
     try:
         return run(cfg, given)
     except UserError as e:
@@ -1493,5 +1445,4 @@ def main(argv=None, run=train, cls=Config):
 
 
 if __name__ == '__main__':
-    import hetero_gpt  # this file as the module the files beside it import, so that all share one copy
-    hetero_gpt.main()
+    main()

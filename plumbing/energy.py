@@ -10,7 +10,7 @@ import tempfile
 import threading
 import time
 
-from settings import ON_MAC  # the one check for macOS
+from .settings import ON_MAC  # the one check for macOS
 
 
 class NvmlMeter:

@@ -15,8 +15,8 @@ import warnings
 
 import torch
 
-import distributed
-import hetero_gpt as hg
+from . import distributed
+from .settings import UserError
 
 RUN_FILES = ('ckpt.pt', 'ckpt.prev.pt', 'metrics.jsonl')
 CKPT_KEYS = ('model', 'optimizer', 'model_args', 'iter_num', 'tokens', 'elapsed', 'best_val_loss', 'split',
@@ -31,12 +31,12 @@ def check_out_dir(cfg):
     while not os.path.exists(top):
         top = os.path.dirname(top)
     if not (os.path.isdir(top) and os.access(top, os.W_OK)):
-        raise hg.UserError(f"--out_dir {cfg.out_dir}: {top} is not a folder this user can write in")
+        raise UserError(f"--out_dir {cfg.out_dir}: {top} is not a folder this user can write in")
     if cfg.resume and cfg.overwrite:
-        raise hg.UserError("--resume continues the run in out_dir and --overwrite deletes it: give one of them")
+        raise UserError("--resume continues the run in out_dir and --overwrite deletes it: give one of them")
     found = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
     if found and not (cfg.resume or cfg.overwrite):
-        raise hg.UserError(f"{cfg.out_dir} holds a run ({', '.join(found)}): pass --resume to continue it, "
+        raise UserError(f"{cfg.out_dir} holds a run ({', '.join(found)}): pass --resume to continue it, "
                            "a new --out_dir, or --overwrite to start over")
     return [os.path.join(cfg.out_dir, f) for f in found] if cfg.overwrite else []
 
@@ -91,7 +91,7 @@ def load_checkpoint(path, device):
                 f"`mv {prev_path(path)} {path}` and --resume again")
     except ValueError:
         hint = "start over with --overwrite or a new --out_dir"
-    raise hg.UserError(f"--resume: cannot use {path} ({why}); {hint}")
+    raise UserError(f"--resume: cannot use {path} ({why}); {hint}")
 
 
 def truncate_metrics(path, step):
@@ -124,8 +124,8 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
         if cfg.resume:
             optimizer.load_state_dict(ck['optimizer'])
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
-        raise hg.UserError(f"{path} does not fit this run ({' '.join(str(e).split())[:300]}): give the "
-                           "flags of its model, or a new --out_dir") from None
+        raise UserError(f"{path} does not fit this run ({' '.join(str(e).split())[:300]}): give the "
+                        "flags of its model, or a new --out_dir") from None
     if not cfg.resume:
         return 0, 0, 0.0, float('inf')
     if 'ane_fraction' in given and cfg.mode == 'hetero':
@@ -147,8 +147,8 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
 def diverged(cfg, it, bad, loss, engines, path):
     """The error that stops a run after `bad` steps in a row without a usable gradient."""
     floor = ', '.join(n for n, e in engines.items() if e.scaler.enabled and e.scaler.scale <= 1.0)
-    return hg.UserError(f"step {it}: {bad} steps in a row without a usable gradient (loss {loss}): "
-                        f"diverged, likely as --learning_rate {cfg.learning_rate} is too high"
-                        + (f" (fp16 overflows at the loss scale's floor of 1: {floor})" if floor else '')
-                        + (f"; lower it and --resume from {path}, the last good step's" if
-                           os.path.exists(path) else "; lower it and start over with --overwrite"))
+    return UserError(f"step {it}: {bad} steps in a row without a usable gradient (loss {loss}): "
+                     f"diverged, likely as --learning_rate {cfg.learning_rate} is too high"
+                     + (f" (fp16 overflows at the loss scale's floor of 1: {floor})" if floor else '')
+                     + (f"; lower it and --resume from {path}, the last good step's" if
+                        os.path.exists(path) else "; lower it and start over with --overwrite"))

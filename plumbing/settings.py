@@ -1,9 +1,8 @@
 """
-HeteroEngine's settings as flags, and their checks: each field of hetero_gpt.Config (and
-GPTConfig) is a --flag, typed and documented by the field; check() refuses any value the
-run could not use, in one line naming the flag, before anything is written. As nanoGPT's
-configurator.py, the plumbing beside the training script, so that the reference holds the
-settings themselves and not their parsing.
+Settings as flags, and their checks. Each field of a settings dataclass is a --flag, typed
+and documented by the field. check() refuses any value a run could not use, in one line that
+names the flag, before anything is written. The trainer holds the settings; this file parses
+and checks them, as nanoGPT's configurator.py does.
 """
 import argparse
 import dataclasses
@@ -57,14 +56,18 @@ def add_flags(parser, cls, skip=()):
             parser.add_argument(f'--{f.name}', type=typ, default=f.default, help=f.metadata['help'])
 
 
-def parse_args(argv=None, cls=None, description=None):
-    """(cls(...), the names of the flags the user gave); cls: hetero_gpt.Config by default."""
-    import hetero_gpt as hg
-    cls = cls or hg.Config
-    description = description or (
-        "HeteroEngine: GPT-2 on GPU and ANE at once. The defaults shown are GPT-2 124M's; on a machine "
-        "without a GPU (device cpu) flags not given take these instead: "
-        + ', '.join(f'{k}={v}' for k, v in hg.CPU_DEFAULTS.items()) + ".")
+def setting(default, help):
+    """A dataclass field that is also a --flag: its default and a one-line help."""
+    return dataclasses.field(default=default, metadata={'help': help})
+
+
+def flags(cfg, cls):
+    """The command-line flags that give cfg's fields of the dataclass cls (for messages)."""
+    return ' '.join(f'--{f.name} {getattr(cfg, f.name)}' for f in dataclasses.fields(cls))
+
+
+def parse_args(argv, cls, description):
+    """(cls(...), the names of the flags the user gave)."""
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_flags(parser, cls)
@@ -128,12 +131,20 @@ def check_mps(dtype, compile, torch_version=torch.__version__, macos=None):
                         "or leave out --compile")
 
 
+def import_coremltools():
+    """coremltools, without its warning off macOS that the Core ML runtime is missing."""
+    import logging
+    if not ON_MAC:
+        logging.getLogger('coremltools').setLevel(logging.ERROR)
+    import coremltools
+    return coremltools
+
+
 def check_coreml():
     """On a Mac: coremltools 8.3 or newer with its Core ML bindings (docs/coreml_and_ane.md
     section 1). Python 3.14 gets an sdist without them, so ct.convert and predict fail."""
-    import hetero_gpt as hg
     try:
-        ct = hg.import_coremltools()
+        ct = import_coremltools()
     except ImportError:
         raise UserError("the ANE engine needs coremltools: pip install -r requirements.txt, or use --mode gpu") from None
     if version(ct.__version__) < (8, 3):
@@ -157,14 +168,35 @@ def check_ane_alignment(cfg, T):
             raise UserError(f"{name} is {n}: the ANE's programs need a multiple of 32 here")
 
 
-def check(cfg, given, log=print):
+ANE_BATCH = 4  # the ANE's default sequences a call: its programs' live memory well inside its own
+
+
+def ane_batch(cfg):
+    """Sequences per ANE call: --ane_batch_size, or the largest divisor of batch_size up to ANE_BATCH."""
+    return cfg.ane_batch_size or max(b for b in range(1, min(cfg.batch_size, ANE_BATCH) + 1) if cfg.batch_size % b == 0)
+
+
+def check_model(cfg):
+    """The model's sizes: each at least 1, and n_embd a multiple of n_head."""
+    if min(cfg.block_size, cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd) < 1:
+        raise UserError(f"every model size must be at least 1: {cfg}")
+    if cfg.n_embd % cfg.n_head:
+        raise UserError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+
+
+def ane_placement(cfg, device):
+    """(the ANE stand-in's device off a Mac, whether the ANE engine runs in a worker process)."""
+    ane_dev = device if cfg.ane_device == 'auto' or ON_MAC else resolve_device(cfg.ane_device, '--ane_device')
+    return ane_dev, cfg.ane_worker and (ON_MAC or ane_dev.type == 'cpu')
+
+
+def check(cfg, given, cpu_defaults, mac_defaults, log=print):
     """Checks every setting and resolves what 'auto' means on this machine: (device, dtype)
-    of the GPU engine. On a machine without an accelerator, CPU_DEFAULTS replace the
-    settings the user did not give."""
-    import hetero_gpt as hg
+    of the GPU engine. On a machine without an accelerator, cpu_defaults replace the
+    settings the user did not give; on a Mac, mac_defaults."""
     device = resolve_device(cfg.device)
-    defaults, why = ((hg.CPU_DEFAULTS, "no GPU: small model and short run for the CPU") if device.type == 'cpu' else
-                     (hg.MAC_DEFAULTS, "on a Mac: microbatches that fit a 16 GB one") if ON_MAC else ({}, ''))
+    defaults, why = ((cpu_defaults, "no GPU: small model and short run for the CPU") if device.type == 'cpu' else
+                     (mac_defaults, "on a Mac: microbatches that fit a 16 GB one") if ON_MAC else ({}, ''))
     changed = {k: v for k, v in defaults.items() if k not in given}
     for k, v in changed.items():
         setattr(cfg, k, v)
@@ -185,7 +217,7 @@ def check(cfg, given, log=print):
         for k in names.split():
             if not ok(getattr(cfg, k)):
                 raise UserError(f"--{k} {getattr(cfg, k)}: must be a finite number {allowed}")
-    hg.model_config(cfg)  # raises if a size is < 1 or n_embd % n_head
+    check_model(cfg)
     if cfg.ane_batch_size and cfg.batch_size % cfg.ane_batch_size:
         raise UserError(f"--ane_batch_size {cfg.ane_batch_size} must divide --batch_size {cfg.batch_size}: the ANE "
                         "engine runs each microbatch in calls of that many sequences")
@@ -199,19 +231,19 @@ def check(cfg, given, log=print):
         check_mps(dtype, cfg.compile)
     if ON_MAC and cfg.mode != 'gpu':
         check_coreml()
-        check_ane_alignment(hg.model_config(cfg), cfg.block_size)
+        check_ane_alignment(cfg, cfg.block_size)
     # the settings given that this run does not use, said once: a flag is never a silent no-op
     gpu16 = dtype == torch.float16 and cfg.mode != 'ane'  # which engines scale their loss
     ane16 = cfg.mode != 'gpu' and (ON_MAC or ane_dtype == torch.float16)
     fp16 = gpu16 or ane16
-    worker = hg.ane_placement(cfg, device)[1]  # (and --ane_device checked)
+    worker = ane_placement(cfg, device)[1]  # (and --ane_device checked)
     programs = cfg.mode != 'gpu' and (ON_MAC or cfg.ane_evaluator == 'numpy')  # exported programs
     eager_here = cfg.mode != 'gpu' and not ON_MAC and not worker and cfg.ane_evaluator == 'eager'
     moot = dict(ane_programs=not programs, ane_batch_size=cfg.mode == 'gpu' or eager_here,
                 ane_fraction=cfg.mode != 'hetero', loss_scale=not gpu16, ane_loss_scale=not ane16,
                 scale_window=not fp16, compile=(ON_MAC or worker) and cfg.mode == 'ane',
                 ane_worker=cfg.mode == 'gpu', ane_load_timeout=not (cfg.mode != 'gpu' and worker),
-                ane_evaluator=ON_MAC or cfg.mode == 'gpu', fused_kernels=not eager_here)
+                ane_evaluator=ON_MAC or cfg.mode == 'gpu')
     moot |= dict.fromkeys(('ane_device', 'ane_dtype'), ON_MAC or cfg.mode == 'gpu')
     if unused := [f'--{k}' for k in moot if moot[k] and k in given]:
         log(f"not used by this run (mode {cfg.mode}{', macOS' if ON_MAC else ''}{'' if fp16 else ', no fp16 engine'}): "

@@ -1,8 +1,8 @@
 """
 Several HeteroEngine processes under torchrun: one per machine (on a Mac: its GPU and its
 ANE), or one per GPU off a Mac. Without torchrun (no RANK in the environment) every
-function here is a no-op and hetero_gpt.py runs one process. The gradient averaging
-itself stays in hetero_gpt.HeteroStep, which calls all_reduce_sum.
+function here is a no-op and the trainer runs one process. The gradient averaging itself
+stays in the trainer's step, which calls all_reduce_sum.
 
 Which rank stopped a run: a collective that fails says only that some rank is gone (gloo:
 "Connection closed by peer", or "Timed out" once --dist_timeout has passed), not which one.
@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import hetero_gpt as hg
+from .settings import resolve_device
 
 
 def world():
@@ -41,7 +41,7 @@ def join_ranks(cfg):
     Mac's MPS through host memory); the ranks but 0 write only what goes wrong, to stderr."""
     if 'RANK' not in os.environ:
         return world()
-    device = hg.resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     if device.type == 'cuda' and device.index is None:
         cfg.device = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(cfg.device)

@@ -1,0 +1,397 @@
+"""
+The ANE's Core ML programs on disk: saved atomically with their metadata, read back,
+compiled once into a cache, reported on, and run op by op in NumPy off macOS.
+
+The trainer builds the programs (hetero_gpt.build_coreml_program) and hands the builder in;
+nothing here knows GPT-2. Each program is an .mlpackage in one folder with heterogpt.json:
+
+    <folder>/block_forward.mlpackage, head.mlpackage, block_backward.mlpackage
+    <folder>/heterogpt.json            format, ane_batch_size, seq_len, pieces, the model's sizes
+    <folder>/compiled/<piece>-<hash>.mlmodelc   Core ML's compiled programs (macOS)
+"""
+import collections
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import platform
+import shutil
+
+import numpy as np
+
+from .settings import ON_MAC, UserError, import_coremltools, one_line, version
+
+# What the ANE takes (docs/coreml_and_ane.md section 2)
+ANE_MAX_DIM = 16384  # the largest tensor dimension every ANE takes
+ANE_MEMORY = 3.75 * 2**30  # its address space on M1-class chips: a program past it runs on the CPU
+FP16_MAX = 65504.0
+# matmul outputs go wrong near 32752 = 2^15 - 16 and inf does not propagate. So an output
+# of 2^14 or more (within 2x of that) counts as an overflow.
+ANE_MATMUL_MAX = 32752.0
+ANE_OVERFLOW = 2.0 ** 14
+
+# Ops the ANE does not run (coreml_and_ane.md section 2): Core ML moves them to the CPU.
+OFF_ANE_OPS = {'gather', 'gather_nd', 'gather_along_axis', 'scatter', 'scatter_nd', 'scatter_along_axis',
+               'one_hot', 'gelu', 'while_loop', 'cond'}
+
+
+ELEMENTWISE_FLOPS = {'softmax': 5}  # max, subtract, exp, sum, divide per element
+
+
+def op_flops(op):
+    """FLOPs of one MIL op: 2*M*K*N for matmul, one per element processed otherwise."""
+    if op.op_type == 'const':
+        return 0
+    if op.op_type == 'matmul':
+        x = op.inputs['x'].shape
+        k = x[-2] if op.inputs['transpose_x'].val else x[-1]
+        return 2 * int(np.prod(op.outputs[0].shape)) * k
+    if op.op_type in ('reshape', 'transpose', 'identity'):
+        return 0
+    n = int(np.prod(op.inputs['x'].shape)) if op.op_type.startswith('reduce_') else int(np.prod(op.outputs[0].shape))
+    return n * ELEMENTWISE_FLOPS.get(op.op_type, 1)
+
+
+def is_sum(op):
+    """A sum or mean as a matmul with a constant vector (MILOps._dot): the derivation's own
+    matmuls multiply two runtime tensors (weights are inputs), these one and a constant."""
+    return op.op_type == 'matmul' and any(op.inputs[k].val is not None for k in ('x', 'y'))
+
+
+def last_use(f):
+    """Variable name -> the index of the last op that reads it (the program's outputs: past the end)."""
+    last = {}
+    for i, op in enumerate(f.operations):
+        for v in op.inputs.values():
+            for u in v if isinstance(v, (list, tuple)) else [v]:
+                last[u.name] = i
+    return last | {v.name: len(f.operations) for v in f.outputs}
+
+
+def live_bytes(f):
+    """An estimate of a program's largest live memory: walking its ops in order, each
+    tensor (fp16, 2 bytes an element; inputs from the start) lives from the op that makes it
+    to the last op that reads it; the largest sum over that walk. Core ML plans its own
+    memory and may reuse or split buffers: this is the plan without reuse across ops."""
+    size = lambda v: int(np.prod(v.shape)) * 2 if hasattr(v, 'shape') else 0
+    last = last_use(f)
+    alive = {v.name: size(v) for v in f.inputs.values()}
+    peak = total = sum(alive.values())
+    for i, op in enumerate(f.operations):
+        for v in op.outputs:
+            alive[v.name] = size(v)
+            total += alive[v.name]
+        peak = max(peak, total)
+        for name in [n for n in alive if last.get(n, -1) <= i]:
+            total -= alive.pop(name)
+    return peak
+
+
+def program_report(prog):
+    """What is in one program, computed from the program itself (the saved one, read back)."""
+    f = prog.functions['main']
+    ops = [op for op in f.operations if op.op_type != 'const']
+    kinds = collections.Counter(op.op_type for op in ops)
+    dims = [d for op in f.operations for v in op.outputs if hasattr(v, 'shape') for d in v.shape]
+    dims += [d for v in f.inputs.values() for d in v.shape]
+    ranks = [len(v.shape) for op in f.operations for v in op.outputs if hasattr(v, 'shape')]
+    nbytes = lambda vs: sum(int(np.prod(v.shape)) * 2 for v in vs)  # fp16: 2 bytes an element
+    return dict(ops=len(ops), op_types=dict(kinds.most_common()), flops=sum(op_flops(op) for op in ops),
+                matmul_flops=sum(op_flops(op) for op in ops if op.op_type == 'matmul' and not is_sum(op)),
+                sum_flops=sum(op_flops(op) for op in ops if is_sum(op)),
+                bytes_in=nbytes(f.inputs.values()), bytes_out=nbytes(f.outputs), live_bytes=live_bytes(f),
+                largest_dim=max(dims), max_rank=max(ranks), off_ane=sorted(k for k in kinds if k in OFF_ANE_OPS))
+
+
+def check_ane_limits(reports, B):
+    """Refuses programs past what the ANE takes (coreml_and_ane.md sections 1, 2): a dimension over
+    ANE_MAX_DIM, or live memory past ANE_MEMORY (there Core ML would run it on the CPU)."""
+    for piece, r in reports.items():
+        if r['largest_dim'] > ANE_MAX_DIM:
+            raise UserError(f"program {piece} has a dimension of {r['largest_dim']}, past the ANE's "
+                            f"{ANE_MAX_DIM}: use a smaller model or --ane_batch_size")
+        if r['live_bytes'] > ANE_MEMORY:
+            raise UserError(f"program {piece} needs ~{r['live_bytes'] / 2**30:.1f} GiB live at {B} sequences a "
+                            f"call, past the ANE's {ANE_MEMORY / 2**30:.2f} GiB: use a smaller --ane_batch_size")
+
+
+PROGRAM_FORMAT = 7  # bump when a program changes
+META = 'heterogpt.json'
+
+
+def meta(cfg, B, T, pieces):
+    """heterogpt.json: what a folder of programs was made for (cfg: the model's dataclass)."""
+    return dict(format=PROGRAM_FORMAT, ane_batch_size=B, seq_len=T, pieces=list(pieces), **dataclasses.asdict(cfg))
+
+
+def model_flags(m):
+    """The model's flags of the trainer from programs' metadata (for messages)."""
+    return ' '.join(f'--{k} {v}' for k, v in m.items() if k not in ('format', 'ane_batch_size', 'seq_len', 'pieces'))
+
+
+def program_path(programs, piece):
+    return os.path.join(programs, piece + '.mlpackage')
+
+
+def is_programs(path):
+    """Whether path is a folder of programs this project wrote (of any version)."""
+    try:
+        with open(os.path.join(path, META)) as f:
+            return 'format' in json.load(f)
+    except Exception:
+        return False
+
+
+def export_programs(cfg, B, T, path, build, pieces):
+    """Builds each piece's program with build(cfg, B, T, piece), checks them against the ANE's
+    limits and saves them as .mlpackages in the folder `path` with heterogpt.json, atomically:
+    a crash leaves no half-written folder under that name. Only a path that is absent or
+    holds HeteroEngine programs is written. Returns {piece: program_report}."""
+    ct = import_coremltools()
+    if os.path.lexists(path) and not is_programs(path):
+        raise UserError(f"{path} exists and is not a folder of HeteroEngine programs: refusing to overwrite "
+                        "it; choose another --out")
+    tmp = path.rstrip('/') + f'.tmp{os.getpid()}'
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        reports = {}
+        for piece in pieces:
+            model = ct.convert(build(cfg, B, T, piece), convert_to='mlprogram',
+                               compute_precision=ct.precision.FLOAT16,
+                               minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
+            model.short_description = f"HeteroEngine GPT-2 {piece}, {B}x{T} tokens"
+            model.save(program_path(tmp, piece))
+            reports[piece] = program_report(load_coreml_program(program_path(tmp, piece)))
+        check_ane_limits(reports, B)
+        with open(os.path.join(tmp, META), 'w') as f:
+            json.dump(meta(cfg, B, T, pieces), f)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return reports
+
+
+def read_meta(path):
+    """The metadata of programs this version of HeteroEngine exported; UserError else."""
+    if not os.path.isdir(path):
+        raise UserError(f"no ANE programs at {path}: make them with `python export_ane.py --out {path}`")
+    try:
+        with open(os.path.join(path, META)) as f:
+            meta = json.load(f)
+        missing = [p for p in meta['pieces'] if not os.path.isdir(program_path(path, p))]
+    except Exception as e:
+        raise UserError(f"{path} is not a folder of HeteroEngine programs ({e!r}); re-export it with export_ane.py")
+    if meta.get('format') != PROGRAM_FORMAT:
+        raise UserError(f"{path} was exported by another version of HeteroEngine; re-export it")
+    if missing:
+        raise UserError(f"{path} lacks {', '.join(missing)}: re-export it with export_ane.py")
+    return meta
+
+
+def ensure(path, cfg, B, T, build, pieces, named=False, log=print):
+    """The folder of programs for cfg (the model) at B x T tokens a call: reused if exported
+    for them, else exported now with build. A folder the user named (--ane_programs) is never
+    overwritten: one for other shapes is an error."""
+    want = meta(cfg, B, T, pieces)
+    if os.path.isdir(path):
+        try:
+            have = read_meta(path)
+        except UserError:  # another version's (or no) programs: the trainer's own are made again
+            if named:
+                raise
+            have = None
+        if have == want or (named and have == want | dict(pieces=['step'])):
+            return path
+        if named:
+            raise UserError(f"--ane_programs {path} was exported for other shapes; re-export it with "
+                            f"`python export_ane.py {model_flags(want)} --ane_batch_size {B} --out {path}` "
+                            "or name another path")
+        log(f"{path} was exported for other shapes or by another version: exporting again")
+    log(f"exporting the ANE's Core ML programs to {path} ...")
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    export_programs(cfg, B, T, path, build, pieces)
+    return path
+
+
+def compiled_model(programs, piece):
+    """(path, cached): the program compiled (.mlmodelc) into programs/compiled/, once. The entry
+    is keyed by a hash of the package's files and of coremltools' and the OS's versions, so a
+    changed program is compiled again and an unchanged one is loaded as it is. It is compiled
+    under a temporary name that ends in .mlmodelc, as compile_model requires (coreml_and_ane.md section 1),
+    marked DONE, then renamed: an entry without DONE, left by a crash, is compiled again."""
+    ct = import_coremltools()
+    pkg = program_path(programs, piece)
+    h = hashlib.sha256(f"{ct.__version__} {platform.platform()} {platform.mac_ver()[0]}".encode())
+    for root, dirs, files in sorted(os.walk(pkg)):
+        dirs.sort()
+        for name in sorted(files):
+            h.update(os.path.relpath(os.path.join(root, name), pkg).encode())
+            with open(os.path.join(root, name), 'rb') as f:
+                h.update(f.read())
+    cache = os.path.join(programs, 'compiled')
+    dest = os.path.join(cache, f'{piece}-{h.hexdigest()[:16]}.mlmodelc')
+    if os.path.isfile(os.path.join(dest, 'DONE')):
+        return dest, True
+    os.makedirs(cache, exist_ok=True)
+    for old in os.listdir(cache):  # this piece's other entries, and temporaries of processes that are gone
+        pid = old.split('.tmp')[-1].split('.')[0] if '.tmp' in old else ''
+        if old.startswith(piece + '-') or (old.startswith(f'.{piece}-') and not _alive(pid)):
+            shutil.rmtree(os.path.join(cache, old), ignore_errors=True)
+    tmp = os.path.join(cache, f'.{piece}-{h.hexdigest()[:16]}.tmp{os.getpid()}.mlmodelc')
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        ct.utils.compile_model(pkg, tmp)
+        open(os.path.join(tmp, 'DONE'), 'w').close()
+        os.replace(tmp, dest)
+    except OSError:  # another process put its copy there first
+        if not os.path.isfile(os.path.join(dest, 'DONE')):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest, False
+
+
+def _alive(pid):
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+
+
+def load_compiled(programs, piece, load):
+    """load(path of the compiled program); a cached entry that fails to load is compiled again, once."""
+    path, cached = compiled_model(programs, piece)
+    try:
+        return load(path)
+    except Exception:
+        if not cached:
+            raise
+        shutil.rmtree(path, ignore_errors=True)
+        return load(compiled_model(programs, piece)[0])
+
+
+def load_coreml_program(path):
+    """The saved package read back into a MIL Program (works on Linux; coreml_and_ane.md section 5)."""
+    ct = import_coremltools()
+    from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+    model = ct.models.MLModel(path, skip_model_load=True)
+    spec = model.get_spec()
+    return milproto_load(spec, specification_version=spec.specificationVersion,
+                         file_weights_dir=model.weights_dir or '')
+
+
+def numpy_predict(prog, ane=False):
+    """A stand-in for Core ML's predict off macOS: evaluates the program op by op in NumPy,
+    each op's result rounded to the dtype the program declares (fp16 here), through the
+    ops' own value_inference, each value freed after its last reader. Slow; for checks, not training.
+    matmul: fp16 operands, fp32 accumulation (as the ANE; its products are rounded to fp16
+    first, which this does not imitate), one rounding of the result.
+    ane=True imitates what is known of the ANE's fp16 (coreml_and_ane.md section 2), the rest as
+    above: reduce_sum and reduce_mean add the terms one after another along the axis in fp16
+    (every partial sum rounded: the worst case of a narrow accumulator; the mean divides that
+    sum by n), and no result overflows to inf: matmul outputs saturate at +-ANE_MATMUL_MAX,
+    every other op's at +-65504."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import Function, types
+    f = prog.functions['main']
+
+    def plain(v):  # NumPy 2: loaded bool params are np.bool_, which reductions reject
+        return bool(v) if isinstance(v, np.bool_) or (isinstance(v, np.ndarray) and v.dtype == np.bool_ and v.ndim == 0) else v
+
+    def matmul(kw):  # fp16 operands, fp32 accumulation (as the ANE), fp16 result; and fast
+        x, y = kw['x'].astype(np.float32), kw['y'].astype(np.float32)
+        x = np.swapaxes(x, -1, -2) if kw.get('transpose_x') else x
+        y = np.swapaxes(y, -1, -2) if kw.get('transpose_y') else y
+        return (np.clip(x @ y, -ANE_MATMUL_MAX, ANE_MATMUL_MAX) if ane else x @ y,)
+
+    def fp16_sum(kw, mean):  # ane=True: term by term along the axis, each partial sum fp16
+        if len(kw['axes']) != 1:
+            raise NotImplementedError("ane=True sums over one axis at a time")
+        x = np.ascontiguousarray(np.moveaxis(kw['x'].astype(np.float16), kw['axes'][0], 0))
+        acc = np.zeros(x.shape[1:], np.float16)
+        for term in x:
+            acc = np.clip(acc + term, -FP16_MAX, FP16_MAX)  # saturating
+        acc = acc / np.float16(len(x)) if mean else acc
+        return (np.expand_dims(acc, kw['axes'][0]) if kw.get('keep_dims') else acc,)
+
+    frees = collections.defaultdict(list)  # op index -> the values no later op reads: freed after it
+    for name, i in last_use(f).items():
+        frees[i].append(name)
+
+    def predict(inputs):
+        env = {}
+        for name, var in f.inputs.items():
+            a = np.asarray(inputs[name]).astype(types.nptype_from_builtin(var.dtype))
+            if a.shape != tuple(var.shape):
+                raise ValueError(f"input {name}: shape {a.shape}, program expects {tuple(var.shape)}")
+            env[name] = a
+
+        def val(v):
+            return env[v.name] if v.name in env else v.val
+        with Function({}, opset_version=f.opset_version), np.errstate(over='ignore' if ane else np.geterr()['over']):
+            for i, op in enumerate(f.operations):
+                if op.op_type == 'const':
+                    env[op.outputs[0].name] = op.outputs[0].val
+                    continue
+                kw = {k: [plain(val(x)) for x in v] if isinstance(v, (list, tuple)) else plain(val(v))
+                      for k, v in op.inputs.items()}
+                if op.op_type == 'matmul':
+                    res = matmul(kw)
+                elif ane and op.op_type in ('reduce_sum', 'reduce_mean'):
+                    res = fp16_sum(kw, op.op_type == 'reduce_mean')
+                else:
+                    new = mb._add_op(type(op), name=op.name, **kw)  # runs the op's value_inference
+                    res = tuple(o.val for o in (new if isinstance(new, (list, tuple)) else [new]))
+                    if any(r is None for r in res):
+                        raise NotImplementedError(f"no NumPy evaluation for MIL op {op.op_type}")
+                for o, r in zip(op.outputs, res):
+                    env[o.name] = r = np.asarray(r).astype(types.nptype_from_builtin(o.dtype))
+                    if ane and r.dtype == np.float16:  # saturate: +-inf -> +-65504 (np.clip is 10x slower)
+                        inf = np.isinf(r)
+                        r[inf] = np.copysign(FP16_MAX, r[inf])
+                for name in frees[i]:
+                    env.pop(name, None)
+        out = {o.name: env[o.name] for o in f.outputs}
+        env.clear()
+        gc.collect()  # the MIL ops made above hold their values in reference cycles: free them now
+        return out
+    return predict
+
+
+def numpy_programs(programs, pieces, ane=False):
+    """predict(piece, inputs) -> outputs: the saved programs in numpy_predict (off macOS)."""
+    fns = {p: numpy_predict(load_coreml_program(program_path(programs, p)), ane) for p in pieces}
+    return lambda piece, inputs: fns[piece](inputs)
+
+
+def macos_placement(compiled):
+    """Where Core ML places a compiled program's ops (its compute plan, macOS 14.4+): the share
+    of ops and of the estimated cost on the Neural Engine, and the ops elsewhere by device."""
+    if version(platform.mac_ver()[0]) < (14, 4):
+        return dict(unavailable=f"the compute plan needs macOS 14.4 (this is {platform.mac_ver()[0]})")
+    ct = import_coremltools()
+    from coremltools.models.compute_plan import MLComputePlan
+    try:
+        plan = MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
+    except Exception as e:  # reported; the stage goes on
+        return dict(unavailable=one_line(e))
+    share, elsewhere = collections.Counter(), collections.Counter()
+    for op in plan.model_structure.program.functions['main'].block.operations:
+        if op.operator_name == 'const':
+            continue
+        usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+        cost = plan.get_estimated_cost_for_mlprogram_operation(op)
+        dev = type(usage.preferred_compute_device).__name__ if usage else 'unknown'
+        on_ane = 'NeuralEngine' in dev
+        share['ops', on_ane] += 1
+        share['cost', on_ane] += cost.weight if cost else 0.0
+        if not on_ane:
+            elsewhere[f"{op.operator_name} -> {dev}"] += 1
+    return {f'ane_share_of_{w}': round(share[w, True] / max(share[w, True] + share[w, False], 1e-12), 4)
+            for w in ('ops', 'cost')} | dict(not_on_ane=dict(elsewhere.most_common()))
