@@ -3,7 +3,9 @@ GPU-only, ANE-only and hetero side by side in one process, on the same batches f
 same initial weights: the paper's table (tokens/s, x GPU-only, joules per token). As
 nanoGPT's bench.py, it is the training loop's meat without the rest.
 
-    python bench.py [any hetero_gpt.py flag] [--bench_iters 10] [--bench_repeats 3]
+    python bench.py [any hetero_gpt.py flag] [--bench_iters 10] [--bench_repeats 3] [--fast]
+
+--fast runs the classes of tools/fast_standin.py (the off-Mac speed) in place of the reference's.
 """
 import gc
 import statistics
@@ -12,13 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-import hetero_gpt as hg
+import hetero_gpt as hg  # defines: Config, setup, load_data, build_run, step_batches, main
+from tools import fast_standin  # defines: FastConfig, install (its model and stand-in in the reference's place)
 
 
 @dataclass
-class BenchConfig(hg.Config):
-    bench_iters: int = hg.opt(10, "timed steps per mode and round (after >= 5 warm-up steps and 3 s)")
-    bench_repeats: int = hg.opt(3, "rounds: the modes take turns, each reports its median round")
+class BenchConfig(fast_standin.FastConfig):
+    bench_iters: int = hg.setting(10, "timed steps per mode and round (after >= 5 warm-up steps and 3 s)")
+    bench_repeats: int = hg.setting(3, "rounds: the modes take turns, each reports its median round")
+    fast: bool = hg.setting(False, "run tools/fast_standin.py's model and stand-in")
 
 
 def device_synchronize(device):
@@ -35,6 +39,8 @@ def bench(cfg, given):
     if min(cfg.bench_iters, cfg.bench_repeats) < 1:
         raise hg.UserError("--bench_iters and --bench_repeats must be at least 1")
     device, dtype = hg.setup(cfg, given)
+    if cfg.fast:
+        fast_standin.install(cfg)
     data = hg.load_data(cfg)
     torch.manual_seed(cfg.seed)
     init = hg.GPT(hg.model_config(cfg)).state_dict()

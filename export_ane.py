@@ -24,6 +24,20 @@ from plumbing import settings  # defines: add_flags, ane_batch, check_model, che
 from tools import ane_check  # defines: main (the self-check), step_report (a call through every program)
 
 
+def export_programs(cfg, B, T, path, whole_step=False):
+    """The programs (the three pieces, or with whole_step the step as one) saved in the folder
+    path, checked against the ANE's limits: {piece: report}."""
+    return programs.export_programs(cfg, B, T, path, hg.build_coreml_program, ('step',) if whole_step else hg.ANE_PIECES)
+
+
+def open_programs(path, predict=None, scaler=None):
+    """A CoreMLEngine on the programs in path (Core ML on a Mac, the NumPy evaluator elsewhere),
+    or on another predict(piece, inputs) -> outputs."""
+    engine = hg.ane_engine(dict(programs=path), scaler)
+    engine.predict = predict or engine.predict
+    return engine
+
+
 def print_report(reports, cfg, B, T):
     """One line per program, then one microbatch of B sequences through all of them."""
     print(f"{'program':<15}{'calls':>6}{'ops':>6}{'GFLOP':>9}{'MiB in':>9}{'MiB out':>9}{'MiB live':>10}"
@@ -71,8 +85,7 @@ def main(argv=None):
                                   a.stages)
         hg.check_ane_shapes(cfg, B, T)
         t0 = time.perf_counter()
-        reports = programs.export_programs(cfg, B, T, a.out, hg.build_coreml_program,
-                                           ('step',) if a.whole_step else hg.ANE_PIECES)
+        reports = export_programs(cfg, B, T, a.out, a.whole_step)
         print(f"saved {a.out} ({cfg}, {B}x{T} tokens a call) in {time.perf_counter() - t0:.1f} s")
         print_report(reports, cfg, B, T)
     except settings.UserError as e:

@@ -514,6 +514,12 @@ def vocab_chunks(V):
     return rows, [(j * rows, min(V, (j + 1) * rows)) for j in range(n)]
 
 
+def model_sizes(cfg):
+    """(parameters, the tied LM head once; vocabulary rows, padded as the ANE's head takes them)."""
+    rows, spans = vocab_chunks(cfg.vocab_size)
+    return sum(p.numel() for k, p in gpt_param_shapes(model_config(cfg)).items() if k != 'lm_head.weight'), rows * len(spans)
+
+
 def dense_input_shapes(cfg, B, T):
     """Name -> shape of every input of the dense step (the weights as host_weights makes
     them, from meta tensors), the microbatch's rows and the loss scale."""
@@ -852,7 +858,7 @@ class CoreMLEngine(Engine):
         check_ane_shapes(cfg, B, T)
         self.cfg, self.B, self.T, self.predict, self.pieces = cfg, B, T, predict, tuple(pieces)
         self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
-        self.label = label
+        self.label, self.shapes = label, {k: tuple(p.shape) for k, p in gpt_param_shapes(cfg).items()}
         # Persistent fp32 buffers, made once: coremltools wraps fp32 arrays without a copy but
         # makes a new fp32 array of every fp16 one (coreml_and_ane.md section 1).
         N, C, L = B * T, cfg.n_embd, cfg.n_layer
@@ -864,6 +870,9 @@ class CoreMLEngine(Engine):
                         if k != 'x'} for l in range(L)]
 
     def load_weights(self, params):
+        if {k: tuple(p.shape) for k, p in params.items()} != self.shapes:
+            raise UserError(f"the ANE programs were exported for another model ({self.cfg}): re-export them "
+                            "with export_ane.py for this one")
         for k, v in host_weights({k: p.detach() for k, p in params.items()}, self.cfg).items():
             np.copyto(self.inputs[k], v.float().cpu().numpy())
         self.wte = params['transformer.wte.weight'].detach().float().cpu()
@@ -872,7 +881,8 @@ class CoreMLEngine(Engine):
     def loss_and_grads(self, idx, targets):
         b, t = idx.shape
         if t != self.T or b % self.B:
-            raise ValueError(f"the ANE programs take calls of {self.B}x{self.T} tokens, not a microbatch of {b}x{t}")
+            raise UserError(f"the ANE programs take calls of {self.B}x{self.T} tokens: they cannot run a microbatch "
+                            f"of {b}x{t}; export them with export_ane.py --ane_batch_size B, B dividing {b}")
         idx, targets, loss, grads = idx.cpu(), targets.cpu(), 0.0, None
         for i in range(0, b, self.B):  # the mean of equal-sized means is the mean
             l, g = self._call(idx[i:i + self.B], targets[i:i + self.B])
@@ -1301,9 +1311,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
 def build_run(cfg, device, dtype, mode, log=print):
     """What a training run (and each bench.py mode) needs: the model (fp32 master weights,
     fp64 under --dtype float64), AdamW, the mode's engines, the step, a meter."""
-    rows, spans = vocab_chunks(cfg.vocab_size)
-    n_params = sum(p.numel() for k, p in gpt_param_shapes(model_config(cfg)).items() if k != 'lm_head.weight')
-    memory.preflight(cfg, mode, device, dtype, n_params, rows * len(spans), log)
+    memory.preflight(cfg, mode, device, dtype, model_sizes(cfg), log)
     model = GPT(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
     optimizer = make_optimizer(model, cfg, device)
     engines = build_engines(cfg, model, device, dtype, mode, log)
@@ -1430,11 +1438,16 @@ def train(cfg, given=frozenset()):
     return model
 
 
-def main(argv=None, run=train, cls=Config):
-    """Parses the flags (of cls) and runs `run(cfg, given)`; a UserError is one line, exit 2."""
-    cfg, given = settings.parse_args(argv, cls, (
+def parse_args(argv=None, cls=Config):
+    """(cls(...) from the flags, the names of the flags given)."""
+    return settings.parse_args(argv, cls, (
         "HeteroEngine: GPT-2 on GPU and ANE at once. The defaults shown are GPT-2 124M's; on a machine without "
         "a GPU flags not given take these instead: " + ', '.join(f'{k}={v}' for k, v in CPU_DEFAULTS.items())))
+
+
+def main(argv=None, run=train, cls=Config):
+    """Parses the flags (of cls) and runs `run(cfg, given)`; a UserError is one line, exit 2."""
+    cfg, given = parse_args(argv, cls)
     try:
         return run(cfg, given)
     except UserError as e:

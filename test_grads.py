@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hetero_gpt import GPT, GPTConfig, GPT_param_shapes, TorchOps, check_batch, eager_loss_and_grads, vocab_chunks
+from hetero_gpt import GPT, GPTConfig, gpt_param_shapes, TorchOps, check_batch, eager_loss_and_grads, vocab_chunks
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 FP16_MIN_COSINE = 0.999
@@ -48,7 +48,7 @@ def config_from_params(params, n_head):
     n_layer = len({k.split('.')[2] for k in params if k.startswith('transformer.h.')})
     cfg = GPTConfig(block_size=block_size, vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=C,
                     bias='transformer.ln_f.bias' in params)
-    expected = {k: tuple(v.shape) for k, v in GPT_param_shapes(cfg).items()}
+    expected = {k: tuple(v.shape) for k, v in gpt_param_shapes(cfg).items()}
     got = {k: tuple(v.shape) for k, v in params.items()}
     if expected != got:
         bad = sorted(set(expected) ^ set(got)) or [k for k in expected if expected[k] != got[k]]

@@ -18,7 +18,7 @@ def total_memory():
 
 
 
-def memory_estimate(cfg, mode, device, dtype, n_params, vocab_rows):
+def memory_estimate(cfg, mode, device, dtype, sizes):
     """Bytes each engine holds at its peak, by part; 'gpu', 'ane' and 'total' (what the host's
     memory must hold: all of it on a Mac, whose GPU shares it).
     GPU engine (autograd): fp32 weights, gradients and AdamW's two moments, 16 bytes a
@@ -32,9 +32,9 @@ def memory_estimate(cfg, mode, device, dtype, n_params, vocab_rows):
     ANE worker: its shared memory and its own fp32 copies (weights and gradients twice, 16
     bytes a parameter), each block's input (L + 2 rows of N C), its largest program's live
     memory (the head's logits and softmax, fp16), and a process of its own.
-    n_params: the model's parameters, the tied LM head once; vocab_rows: the vocabulary
-    padded to its chunks, as the ANE's head program takes it."""
-    P = n_params
+    sizes: (the model's parameters, the tied LM head once; the vocabulary's rows, padded to
+    the chunks the ANE's head program takes)."""
+    P, vocab_rows = sizes
     C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
     N, half = cfg.batch_size * cfg.block_size, dtype in (torch.float16, torch.bfloat16)
     parts = {}
@@ -58,10 +58,10 @@ def memory_estimate(cfg, mode, device, dtype, n_params, vocab_rows):
 
 
 
-def preflight(cfg, mode, device, dtype, n_params, vocab_rows, log=print):
+def preflight(cfg, mode, device, dtype, sizes, log=print):
     """Before the first step: refuses a run whose estimate passes 90% of this machine's memory
     (naming the settings to lower), warns past 70% (it would swap under other load)."""
-    mem, have = memory_estimate(cfg, mode, device, dtype, n_params, vocab_rows), total_memory()
+    mem, have = memory_estimate(cfg, mode, device, dtype, sizes), total_memory()
     if device.type == 'cuda' and mode != 'ane':
         gpu_have = torch.cuda.get_device_properties(device).total_memory
         if mem['gpu'] > 0.9 * gpu_have:

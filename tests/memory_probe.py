@@ -1,13 +1,13 @@
-"""A CPU training run's peak memory beside ane_check.memory_estimate (tests/test_check.py):
+"""A CPU training run's peak memory beside memory.memory_estimate (tests/test_check.py):
 python tests/memory_probe.py L C T B V prints the measured and estimated bytes."""
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ane_check  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 import hetero_gpt as hg  # noqa: E402
+from plumbing import memory  # noqa: E402
 
 
 def status(key):  # Linux: VmRSS, this process's resident memory now; VmHWM, its peak since the last reset
@@ -28,4 +28,4 @@ if __name__ == '__main__':
     for _ in range(3):
         step.update(step(batch))
     peak = status('VmHWM')
-    print(peak - base, ane_check.memory_estimate(cfg, 'gpu', torch.device('cpu'), torch.float32)['total'])
+    print(peak - base, memory.memory_estimate(cfg, 'gpu', torch.device('cpu'), torch.float32, hg.model_sizes(cfg))['total'])

@@ -1,5 +1,5 @@
 """The Core ML program under what is known of the ANE's fp16 (coreml_and_ane.md section 2), imitated
-by export_ane.numpy_predict(prog, ane=True): reduce_sum accumulating in fp16, matmul wide,
+by programs.numpy_predict(prog, ane=True): reduce_sum accumulating in fp16, matmul wide,
 saturation instead of inf. fp16: unit roundoff u = 2^-11 = 4.9e-4, largest value 65504."""
 import copy
 
@@ -9,6 +9,8 @@ import torch
 
 import export_ane
 import hetero_gpt as hg
+from plumbing import programs
+from plumbing import settings
 
 pytest.importorskip('coremltools')  # (the machines that lend a GPU may not have it)
 
@@ -47,7 +49,7 @@ def gpt2_programs(tmp_path_factory):
     # 12608 rows): the block programs at the default ANE microbatch, the head at one sequence
     root = tmp_path_factory.mktemp('gpt2')
     out = {}
-    for B in (hg.ANE_BATCH, 1):
+    for B in (settings.ANE_BATCH, 1):
         out[B] = str(root / f'B{B}')
         export_ane.export_programs(hg.GPTConfig(n_layer=1), B, 1024, out[B])
     return out
@@ -59,7 +61,7 @@ def test_block_programs_at_gpt2_124m_shapes(gpt2_programs):
     # the backward (which recomputes the forward) by direction, cosine >= 0.999 (fp16
     # compares by direction, as test_grads.py). x: residual-stream values (RMS ~3); dy: a
     # gradient as the loss scale 256 leaves it, about scale / N per element.
-    cfg, B, T = hg.GPTConfig(n_layer=1), hg.ANE_BATCH, 1024
+    cfg, B, T = hg.GPTConfig(n_layer=1), settings.ANE_BATCH, 1024
     N, C = B * T, cfg.n_embd
     torch.manual_seed(0)
     block = hg.GPT(cfg).transformer.h[0].double()
@@ -68,11 +70,11 @@ def test_block_programs_at_gpt2_124m_shapes(gpt2_programs):
     dy = (256 / N * rng.standard_normal((N, C))).astype(np.float16).astype(np.float32)
     params = {f'transformer.h.0.{k}': p for k, p in block.named_parameters()}
     weights = {k[3:]: v.detach().float().numpy() for k, v in hg.host_weights(
-        params | {k: p for k, p in hg.GPT_param_shapes(cfg).items() if k not in params}, cfg).items() if k.startswith('h0_')}
+        params | {k: p for k, p in hg.gpt_param_shapes(cfg).items() if k not in params}, cfg).items() if k.startswith('h0_')}
     ref = torch.tensor(x, dtype=torch.float64, requires_grad=True)
     y64 = block(ref.view(B, T, C)).view(N, C)
     y64.backward(torch.tensor(dy, dtype=torch.float64))
-    predict = export_ane.numpy_programs(gpt2_programs[B], ('block_forward', 'block_backward'), ane=True)
+    predict = programs.numpy_programs(gpt2_programs[B], ('block_forward', 'block_backward'), ane=True)
     y = predict('block_forward', {'x': x} | weights)['y']
     d = predict('block_backward', {'x': x, 'dy': dy} | weights)
     cos = {'y': cosine(torch.tensor(y.astype(np.float32)), y64.detach()), 'x': cosine(torch.tensor(d['d_x'].astype(np.float32)), ref.grad)}
@@ -85,7 +87,7 @@ def test_block_programs_at_gpt2_124m_shapes(gpt2_programs):
     del cos['bk']
     print(f"block at {B}x{T}: worst cosine {min(cos.values()):.6f} ({min(cos, key=cos.get)})")
     assert all(c >= 0.999 for c in cos.values()), cos
-    assert all(np.isfinite(v).all() and np.abs(v).max() < hg.ANE_OVERFLOW for v in d.values())
+    assert all(np.isfinite(v).all() and np.abs(v).max() < programs.ANE_OVERFLOW for v in d.values())
 
 
 def test_head_program_at_the_real_vocabulary(gpt2_programs):
@@ -103,7 +105,7 @@ def test_head_program_at_the_real_vocabulary(gpt2_programs):
     inp = {k: v.numpy() for k, v in hg.host_weights(w, cfg).items() if k.startswith(('lnf_', 'wte_'))}
     scale = 256.0
     inp |= {'x': x, 'wte_tgt': w['transformer.wte.weight'][targets].numpy(), 'loss_scale': np.full((1, 1), scale, np.float32)}
-    out = export_ane.numpy_programs(gpt2_programs[1], ('head',), ane=True)('head', inp)
+    out = programs.numpy_programs(gpt2_programs[1], ('head',), ane=True)('head', inp)
 
     def head(x, lnf_w, lnf_b, wte):
         logits = torch.nn.functional.layer_norm(x, (cfg.n_embd,), lnf_w, lnf_b) @ wte.T
@@ -137,7 +139,7 @@ def test_sums_as_reduce_sum_lose_accuracy(what):
         ref = np.log(np.exp(x.astype(np.float64)).sum(-1, keepdims=True))
     err = {}
     for ops in (ReduceOps, hg.MILOps):
-        out = export_ane.numpy_predict(export_ane.mil_program(lambda x: {'y': fn(ops(), x)}, x=x.shape), ane=True)({'x': x})['y']
+        out = programs.numpy_predict(hg.mil_program(lambda _, x: {'y': fn(ops(), x)}, {'x': x.shape}), ane=True)({'x': x})['y']
         err[ops.__name__] = np.abs(out - ref).max() / np.abs(ref).max()
     print(f"{what}: max relative error {err['ReduceOps']:.2e} as reduce_sum, {err['MILOps']:.2e} as a matmul "
           f"({err['ReduceOps'] / err['MILOps']:.0f}x)")
@@ -168,9 +170,9 @@ def test_layernorm_of_rows_past_rms_256():
         y, cache = ops.layernorm_forward(x, w, b)
         dx, dw, db = ops.layernorm_backward(dy, w, cache)
         return dict(y=y, dx=dx, dw=dw, db=db)
-    prog = {name: export_ane.mil_program(lambda **i: step(ops, **i), x=x.shape, w=w.shape, b=b.shape, dy=dy.shape)
+    prog = {name: hg.mil_program(lambda _, **i: step(ops, **i), dict(x=x.shape, w=w.shape, b=b.shape, dy=dy.shape))
             for name, ops in (('old', SquareOps()), ('new', hg.MILOps()))}
-    out = {name: export_ane.numpy_predict(p, ane=True)(dict(x=x, w=w, b=b, dy=dy)) for name, p in prog.items()}
+    out = {name: programs.numpy_predict(p, ane=True)(dict(x=x, w=w, b=b, dy=dy)) for name, p in prog.items()}
     rel = {name: {k: (np.abs(o[k] - ref[k].numpy()).max() / ref[k].abs().max()).item() for k in ref}
            for name, o in out.items()}
     print(f"relative errors, derivation's layernorm: {rel['old']}; MILOps': {rel['new']}")
@@ -194,11 +196,11 @@ def test_injected_overflow_is_caught_and_never_applied(tmp_path):
     seen = {'ane': [], 'ieee': []}
 
     def recording(ane):
-        evaluate = export_ane.numpy_programs(path, hg.ANE_PIECES, ane=ane)
+        evaluate = programs.numpy_programs(path, hg.ANE_PIECES, ane=ane)
         return lambda piece, inputs: seen['ane' if ane else 'ieee'].append(evaluate(piece, inputs)) or seen['ane' if ane else 'ieee'][-1]
     engines = {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32),
                'ane': export_ane.open_programs(path, predict=recording(True),
-                                               scaler=hg.LossScaler(256.0, 200, limit=hg.ANE_OVERFLOW / 2))}
+                                               scaler=hg.LossScaler(256.0, 200, limit=programs.ANE_OVERFLOW / 2))}
     step = hg.HeteroStep(model, engines, hg.Split(2, '0.5'), optimizer=torch.optim.AdamW(model.parameters()))
     microbatches = [tuple(torch.randint(0, cfg.vocab_size, (2, 8)) for _ in range(2)) for _ in range(2)]
     alone = copy.deepcopy(model)  # the GPU engine's gradient on its microbatch (the second), alone
@@ -208,8 +210,8 @@ def test_injected_overflow_is_caught_and_never_applied(tmp_path):
     ieee.load_weights(dict(model.named_parameters()))
     out = step(microbatches)
     outputs = [v for o in seen['ane'] for v in o.values()]
-    assert all(np.isfinite(v).all() for v in outputs) and max(np.abs(v).max() for v in outputs) >= hg.ANE_OVERFLOW
-    assert max(np.abs(v).max() for o in seen['ane'] for k, v in o.items() if k.startswith('peak_')) >= hg.ANE_OVERFLOW
+    assert all(np.isfinite(v).all() for v in outputs) and max(np.abs(v).max() for v in outputs) >= programs.ANE_OVERFLOW
+    assert max(np.abs(v).max() for o in seen['ane'] for k, v in o.items() if k.startswith('peak_')) >= programs.ANE_OVERFLOW
     with np.errstate(all='ignore'):
         ieee.loss_and_grads(*microbatches[0])
     assert not all(np.isfinite(v).all() for o in seen['ieee'] for v in o.values())  # what IEEE fp16 would show
@@ -228,8 +230,8 @@ def test_ane_loss_scale_starts_at_256_and_stops_short_of_saturation():
     model = hg.GPT(hg.model_config(cfg))
     engines = hg.build_engines(cfg, model, torch.device('cpu'), torch.float32, 'hetero', log=lambda s: None)
     engines['ane'].close()  # (the worker: its scaler lives here, in the training process)
-    assert engines['ane'].scaler.scale == 256.0 and engines['ane'].scaler.limit == hg.ANE_OVERFLOW / 2
-    s = hg.LossScaler(256.0, 1, limit=hg.ANE_OVERFLOW / 2)
+    assert engines['ane'].scaler.scale == 256.0 and engines['ane'].scaler.limit == programs.ANE_OVERFLOW / 2
+    s = hg.LossScaler(256.0, 1, limit=programs.ANE_OVERFLOW / 2)
     for peak, scale in ((1000.0, 512.0), (3000.0, 1024.0), (5000.0, 1024.0), (4000.0, 2048.0)):
         s.peak = peak  # what CoreMLEngine reports: the largest scaled output since the last update
         s.update(True)  # doubling grows it only while 2 * peak < 8192: outputs stay <= 2^13

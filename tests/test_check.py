@@ -1,4 +1,4 @@
-"""export_ane.py --check (ane_check.py): the stage runner, the report, the off-macOS run of the
+"""export_ane.py --check (tools/ane_check.py): the stage runner, the report, the off-macOS run of the
 real command, and the memory estimate the trainer's preflight uses."""
 import json
 import os
@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-import ane_check
+from tools import ane_check
 import export_ane
 import hetero_gpt as hg
+from plumbing import memory
 
 pytest.importorskip('coremltools')  # (the programs' stages export)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +42,7 @@ def test_the_report_and_its_schema(tmp_path):
     doc = ane_check.write_report(records, dict(ctx, cfg=dict(hg.GPTConfig().__dict__)), path)
     saved = json.loads(open(path).read())
     assert saved == json.loads(json.dumps(doc)) and saved['heterogpt_check'] == 1
-    assert set(saved) == {'heterogpt_check', 'when', 'config', 'microbatch', 'seq_len', 'gpu_batch', 'stages'}
+    assert set(saved) == {'heterogpt_check', 'when', 'config', 'ane_batch_size', 'block_size', 'gpu_batch', 'stages'}
     assert all({'name', 'status', 'seconds'} <= set(r) for r in saved['stages'])
     md = open(tmp_path / 'ane_check.md').read()
     assert '| coreml | killed |' in md and 'SIGKILL' in md
@@ -57,7 +58,7 @@ def test_the_check_command_off_macos(tmp_path, capsys):
     # the real command at a tiny configuration: every stage that can run here runs; the
     # others say that they need macOS; the gradients of the chained programs in NumPy pass
     report = str(tmp_path / 'check.json')
-    rc = export_ane.main(['--check', *TINY, '--microbatch', '2', '--gpu_batch', '4', '--out', str(tmp_path / 'p'),
+    rc = export_ane.main(['--check', *TINY, '--ane_batch_size', '2', '--gpu_batch', '4', '--out', str(tmp_path / 'p'),
                           '--check_report', report, '--stage_timeout', '300'])
     doc = json.load(open(report))
     status = {r['name']: r['status'] for r in doc['stages']}
@@ -85,15 +86,15 @@ def test_memory_estimate_against_a_measured_cpu_run(shape):
 
 def test_preflight_refuses_what_will_not_fit_and_warns_near_it(monkeypatch):
     cfg = hg.Config(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=1000, batch_size=8)
-    need = ane_check.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32)['total']
+    need = memory.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg))['total']
     said = []
-    monkeypatch.setattr(ane_check, 'total_memory', lambda: int(need / 0.8))
-    ane_check.preflight(cfg, 'hetero', torch.device('cpu'), torch.float32, log=said.append)
+    monkeypatch.setattr(memory, 'total_memory', lambda: int(need / 0.8))
+    memory.preflight(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg), log=said.append)
     assert len(said) == 1 and 'may swap' in said[0]
-    monkeypatch.setattr(ane_check, 'total_memory', lambda: int(need / 1.5))
+    monkeypatch.setattr(memory, 'total_memory', lambda: int(need / 1.5))
     with pytest.raises(hg.UserError, match='lower --batch_size .*--ane_batch_size'):
-        ane_check.preflight(cfg, 'hetero', torch.device('cpu'), torch.float32)
+        memory.preflight(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg))
     # the Mac's defaults: GPT-2 124M in hetero mode fits 16 GB; its old microbatch of 8 would not
     mac = hg.Config(**hg.MAC_DEFAULTS)
-    assert ane_check.memory_estimate(mac, 'hetero', torch.device('mps'), torch.float32)['total'] < 0.7 * 16 * 2**30
-    assert ane_check.memory_estimate(hg.Config(), 'hetero', torch.device('mps'), torch.float32)['total'] > 0.9 * 16 * 2**30
+    assert memory.memory_estimate(mac, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(mac))['total'] < 0.7 * 16 * 2**30
+    assert memory.memory_estimate(hg.Config(), 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(hg.Config()))['total'] > 0.9 * 16 * 2**30

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-import compare
+from tools import compare
 
 # ---- the Student-t distribution
 

@@ -10,6 +10,8 @@ import torch
 
 import export_ane
 import hetero_gpt as hg
+from plumbing import programs
+from tools import ane_check
 
 pytest.importorskip('coremltools')  # (the machines that lend a GPU may not have it)
 
@@ -70,7 +72,7 @@ def test_programs_are_ane_shaped(package):
         assert r['bytes_in'] == 2 * sum(int(np.prod(s)) for s in shapes.values())
         # live memory: at least the inputs and outputs, at most every tensor of the program at once
         assert r['bytes_in'] <= r['live_bytes'] and r['bytes_out'] <= r['live_bytes']
-    head = export_ane.load_coreml_program(export_ane.program_path(package['pieces'], 'head')).functions['main']
+    head = programs.load_coreml_program(programs.program_path(package['pieces'], 'head')).functions['main']
     peaks = [v.name for v in head.outputs if v.name.startswith('peak_')]
     outs = sum(int(np.prod(s)) for k, s in hg.piece_input_shapes(CFG, B, T, 'head').items() if k != 'loss_scale') + 1
     assert reports['head']['bytes_out'] == 2 * (outs + len(peaks))  # a gradient per input but loss_scale; the loss; a value per peak
@@ -79,8 +81,8 @@ def test_programs_are_ane_shaped(package):
     # every matmul of the derivation and nothing else: the whole step is the analytic count,
     # the pieces that plus one forward of each block (its backward recomputes it) but for the
     # MLP's projection (2 N 4C C), whose output the backward does not need (dead, removed)
-    st = export_ane.step_report(reports, CFG, B, T)
-    whole = export_ane.step_report(package['reports']['step'], CFG, B, T)
+    st = ane_check.step_report(reports, CFG, B, T)
+    whole = ane_check.step_report(package['reports']['step'], CFG, B, T)
     assert whole['matmul_flops'] == whole['analytic_matmul_flops']
     N, C = B * T, CFG.n_embd
     assert st['matmul_flops'] == whole['matmul_flops'] + CFG.n_layer * (reports['block_forward']['matmul_flops'] - 8 * N * C * C)
@@ -88,32 +90,29 @@ def test_programs_are_ane_shaped(package):
 
 def test_flops_for_gpt2_124m_analytic_within_2_percent():
     # the analytic count for GPT-2 124M at B=4, T=1024 against the usual 6*N*params + attention
-    exact, estimate = export_ane.analytic_flops(hg.GPTConfig(), 4, 1024)
+    exact, estimate = ane_check.analytic_flops(hg.GPTConfig(), 4, 1024)
     assert abs(exact / estimate - 1) < 0.02
 
 
 def test_live_memory_estimate_by_hand():
     # y = (x * x) + x on a (4, 8) fp16 input (64 B a tensor): x and x*x live until the add,
     # whose result makes 3 x 64 B live; after it only the sum (then its identity, the output)
-    prog = export_ane.mil_program(lambda x: {'y': x * x + x}, x=(4, 8))
-    assert export_ane.live_bytes(prog.functions['main']) == 3 * 64
+    prog = hg.mil_program(lambda _, x: {'y': x * x + x}, {'x': (4, 8)})
+    assert programs.live_bytes(prog.functions['main']) == 3 * 64
 
 
 def test_programs_past_the_ane_memory_are_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(hg, 'ANE_MEMORY', 2**20)  # 1 MiB: the tiny head's logits need more
+    monkeypatch.setattr(programs, 'ANE_MEMORY', 2**20)  # 1 MiB: the tiny head's logits need more
     rc = export_ane.main(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '64',
-                          '--vocab_size', '500', '--microbatch', '8', '--out', str(tmp_path / 'big')])
+                          '--vocab_size', '500', '--ane_batch_size', '8', '--out', str(tmp_path / 'big')])
     assert rc == 2 and 'past the ANE' in capsys.readouterr().err and not os.path.exists(tmp_path / 'big')
 
 
 def test_programs_for_other_shapes_are_refused(package):
     engine = export_ane.open_programs(package['pieces'], predict=lambda piece, inputs: pytest.fail('must not run'))
-    other = hg.GPTConfig(block_size=16, vocab_size=20000, n_layer=3, n_head=4, n_embd=32)
-    with pytest.raises(hg.UserError, match='export_ane.py'):
-        engine.check(config=other)
     engine.load_weights(dict(reference()[0].named_parameters()))
     for b, t in ((4, 7), (3, 8)):  # 4 is no multiple of the programs' 3 sequences; 8 tokens are not 7
-        with pytest.raises(hg.UserError, match=f'cannot run .* on {b}x{t}'):
+        with pytest.raises(hg.UserError, match=f'cannot run a microbatch of {b}x{t}'):
             engine.loss_and_grads(torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long))
 
 
@@ -135,8 +134,8 @@ def test_not_a_folder_of_programs(tmp_path, package):
     shutil.rmtree(half / 'head.mlpackage')
     with pytest.raises(hg.UserError, match='lacks head'):
         export_ane.open_programs(str(half))
-    meta = json.loads((half / export_ane.META).read_text())
-    (half / export_ane.META).write_text(json.dumps(meta | {'format': 1}))
+    meta = json.loads((half / programs.META).read_text())
+    (half / programs.META).write_text(json.dumps(meta | {'format': 1}))
     with pytest.raises(hg.UserError, match='another version'):
         export_ane.open_programs(str(half))
     with pytest.raises(hg.UserError, match='refusing to overwrite'):  # export never writes over what it did not make
@@ -148,7 +147,7 @@ def test_custom_predict_and_input_lifetime(package):
     # by name, in fp32 (which coremltools wraps without converting), in the engine's persistent
     # buffers (Core ML frees its inputs late: these are never freed under it), 2L + 1 calls
     seen = []
-    evaluate = export_ane.numpy_programs(package['pieces'], hg.ANE_PIECES)
+    evaluate = programs.numpy_programs(package['pieces'], hg.ANE_PIECES)
 
     def predict(piece, inputs):
         seen.append((piece, inputs))
@@ -167,7 +166,7 @@ def test_custom_predict_and_input_lifetime(package):
 
 def test_export_cli_refuses_too_many_tokens(tmp_path, capsys):
     rc = export_ane.main(['--n_layer', '1', '--n_head', '1', '--n_embd', '8', '--block_size', '1024',
-                          '--vocab_size', '50', '--microbatch', '17', '--out', str(tmp_path / 'x')])
+                          '--vocab_size', '50', '--ane_batch_size', '17', '--out', str(tmp_path / 'x')])
     assert rc == 2 and 'at most 16384' in capsys.readouterr().err
 
 
@@ -176,20 +175,22 @@ def test_trainer_exports_once_and_reuses(tmp_path):
     # export again when the shapes change
     said = []
     cfg, _ = hg.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '8',
-                            '--vocab_size', '100', '--batch_size', '6', '--out_dir', str(tmp_path)])
-    path = export_ane.ensure_programs(cfg, log=said.append)
+                            '--vocab_size', '100', '--batch_size', '6', '--out_dir', str(tmp_path),
+                            '--ane_evaluator', 'numpy'])
+    ensure_programs = lambda cfg, log: hg.ane_spec(cfg, torch.float16, log)['programs']
+    path = ensure_programs(cfg, log=said.append)
     assert path == str(tmp_path / 'ane_B3_T8')  # the largest divisor of 6 up to ANE_BATCH = 4
     spec = tmp_path / 'ane_B3_T8' / 'head.mlpackage' / 'Data' / 'com.apple.CoreML' / 'model.mlmodel'
     stamp = spec.stat().st_mtime_ns
-    assert export_ane.ensure_programs(cfg, log=said.append) == path and len(said) == 1
+    assert ensure_programs(cfg, log=said.append) == path and len(said) == 1
     assert spec.stat().st_mtime_ns == stamp
     cfg.n_layer = 2  # same folder name, other model: exported again
-    export_ane.ensure_programs(cfg, log=said.append)
+    ensure_programs(cfg, log=said.append)
     assert 'other shapes' in said[1] and export_ane.open_programs(path).cfg.n_layer == 2
     cfg.ane_programs = path  # a folder the user names is never overwritten
     cfg.n_layer = 1
     with pytest.raises(hg.UserError, match='other shapes'):
-        export_ane.ensure_programs(cfg, log=said.append)
+        ensure_programs(cfg, log=said.append)
 
 
 def test_programs_without_biases(tmp_path):

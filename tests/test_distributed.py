@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import distributed
+from plumbing import distributed
 import hetero_gpt as hg
 from test_train import FakeEngine, tiny_model
 

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-import ane_check
-import settings
+from tools import ane_check
+from plumbing import settings
 
 pytest.importorskip('coremltools')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,16 +159,16 @@ def test_bench(shakespeare, tmp_path):
 CACHE = """
 import os, export_ane, hetero_gpt as hg
 export_ane.export_programs(hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200), 2, 32, 'p')
-path, cached = export_ane.compiled_model('p', 'head')
+path, cached = programs.compiled_model('p', 'head')
 assert not cached and os.path.isfile(os.path.join(path, 'DONE')) and path.endswith('.mlmodelc')
-assert export_ane.compiled_model('p', 'head') == (path, True)
+assert programs.compiled_model('p', 'head') == (path, True)
 os.remove(os.path.join(path, 'DONE'))  # as a crash mid-compile leaves it
-assert export_ane.compiled_model('p', 'head') == (path, False)
-with open(os.path.join(export_ane.program_path('p', 'head'), 'Manifest.json'), 'a') as f:
+assert programs.compiled_model('p', 'head') == (path, False)
+with open(os.path.join(programs.program_path('p', 'head'), 'Manifest.json'), 'a') as f:
     f.write(' ')  # another program under the same name
 gone, running = 'p/compiled/.head-0.tmp999999999.mlmodelc', f'p/compiled/.head-0.tmp{os.getppid()}.mlmodelc'
 os.makedirs(gone), os.makedirs(running)  # temporaries: of a process that is gone, of one still running
-new, cached = export_ane.compiled_model('p', 'head')
+new, cached = programs.compiled_model('p', 'head')
 assert new != path and not cached and not os.path.exists(path)
 assert not os.path.exists(gone) and os.path.exists(running)
 print(sorted(os.listdir('p/compiled')))
@@ -188,7 +188,7 @@ RELEASE = """
 import sys, time, numpy as np, export_ane, hetero_gpt as hg, coremltools as ct
 cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200)
 export_ane.export_programs(cfg, 2, 32, 'p')
-m = ct.models.CompiledMLModel(export_ane.compiled_model('p', 'head')[0], compute_units=ct.ComputeUnit.CPU_AND_NE)
+m = ct.models.CompiledMLModel(programs.compiled_model('p', 'head')[0], compute_units=ct.ComputeUnit.CPU_AND_NE)
 inputs = lambda: {k: np.zeros(s, np.float32) for k, s in hg.piece_input_shapes(cfg, 2, 32, 'head').items()}
 kept = inputs()
 for _ in range(3):
@@ -217,7 +217,7 @@ def test_core_ml_releases_its_inputs_late(tmp_path, misuse):
 PLACEMENT = """
 import sys, export_ane, hetero_gpt as hg
 export_ane.export_programs(hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200), 2, 32, 'p')
-print(export_ane.macos_placement(export_ane.compiled_model('p', 'head')[0]))
+print(programs.macos_placement(programs.compiled_model('p', 'head')[0]))
 """
 
 
@@ -257,6 +257,8 @@ def test_the_energy_meter_against_powermetrics(tmp_path):
     # through sudo); without sudo rights it fails at once, not after a timeout
     code = """
 import time, energy
+from plumbing import programs
+from plumbing import memory
 m = energy.PowermetricsMeter()
 j0, t0 = m.joules(), time.perf_counter()
 time.sleep(7.2)
@@ -290,8 +292,8 @@ def test_mps_limits_refused_in_one_line():
 def test_memory_estimate_counts_attention_on_mps():
     import hetero_gpt as hg
     cfg = hg.Config(**hg.MAC_DEFAULTS)
-    mps = ane_check.memory_estimate(cfg, 'hetero', torch.device('mps'), torch.float32)
-    cpu = ane_check.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32)
+    mps = memory.memory_estimate(cfg, 'hetero', torch.device('mps'), torch.float32)
+    cpu = memory.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32)
     B, T, H, L = cfg.batch_size, cfg.block_size, cfg.n_head, cfg.n_layer
     assert mps['gpu_attention'] == 4 * L * B * H * T * T  # (B, H, T, T) fp32 per layer
     assert mps['total'] - cpu['total'] == mps['gpu_attention']

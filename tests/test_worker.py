@@ -1,4 +1,4 @@
-"""The ANE engine in its worker process (ane_worker.py): the process boundary, the shared
+"""The ANE engine in its worker process (worker.py): the process boundary, the shared
 buffers, the timeouts and every fault path, with stand-ins for Core ML (tests/worker_faults.py)."""
 import dataclasses
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-import ane_worker
+from plumbing import worker
 import hetero_gpt as hg
 
 CFG = hg.GPTConfig(block_size=16, vocab_size=300, n_layer=2, n_head=2, n_embd=32)
@@ -29,7 +29,7 @@ def worker():
 
     def start(scaler=None, **kw):
         timeouts = {k: kw.pop(k) for k in ('timeout_factor', 'min_timeout') if k in kw}
-        made.append(ane_worker.WorkerEngine(spec(**kw), scaler or hg.LossScaler(1.0, 0, enabled=False),
+        made.append(worker.WorkerEngine(spec(**kw), scaler or hg.LossScaler(1.0, 0, enabled=False),
                                             log=lambda s: None, load_timeout=120, **timeouts))
         return made[-1]
     yield start
@@ -46,7 +46,7 @@ def test_worker_computes_what_the_engine_computes_here(worker):
     model = hg.GPT(CFG)
     params = dict(model.named_parameters())
     w = worker()
-    here = hg.CoreMLEngine(CFG, 2, T, ane_worker.eager_predict(CFG, 2, T, torch.float32))
+    here = hg.CoreMLEngine(CFG, 2, T, worker.eager_predict(CFG, 2, T, torch.float32))
     (idx, targets), = batches(1)
     for e in (w, here):
         e.load_weights(params)
@@ -119,10 +119,10 @@ def test_shared_memory_that_cannot_be_allocated(monkeypatch):
             raise OSError(28, 'No space left on device')
         made.append(real(create=create, size=size))
         return made[-1]
-    real = ane_worker.shared_memory.SharedMemory
-    monkeypatch.setattr(ane_worker.shared_memory, 'SharedMemory', fake)
+    real = worker.shared_memory.SharedMemory
+    monkeypatch.setattr(worker.shared_memory, 'SharedMemory', fake)
     with pytest.raises(hg.UserError, match='could not allocate .* MiB of shared memory .*No space left'):
-        ane_worker.WorkerEngine(spec(), hg.LossScaler(1.0, 0, enabled=False))
+        worker.WorkerEngine(spec(), hg.LossScaler(1.0, 0, enabled=False))
     for m in made:  # the blocks made before the failure are freed, none left behind
         assert not os.path.exists(f'/dev/shm/{m.name.lstrip("/")}')
 
@@ -135,7 +135,7 @@ def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
     hg.setup(cfg, given, log=lambda s: None)
     model, _, engines, step, _ = hg.build_run(cfg, torch.device('cpu'), torch.float32, 'hetero', log=lambda s: None)
     try:
-        assert isinstance(engines['ane'], ane_worker.WorkerEngine) and 'float16' in engines['ane'].label
+        assert isinstance(engines['ane'], worker.WorkerEngine) and 'float16' in engines['ane'].label
         assert engines['ane'].scaler.scale == 256.0
         out = step([tuple(torch.randint(0, 50, (8, 8)) for _ in range(2)) for _ in range(2)])
         assert out['used'] == ['ane', 'gpu']

@@ -1,14 +1,14 @@
-"""Evaluators for the ANE worker that fault on purpose (ane_worker.make_engine's spec['predict']):
+"""Evaluators for the ANE worker that fault on purpose (worker.make_engine's spec['predict']):
 each runs the eager derivation and faults at the program call numbered spec['fault_call']."""
 import os
 import signal
 import time
 
-import ane_worker
+from plumbing import worker
 
 
 def _at_call(cfg, B, T, spec, fault):
-    inner, calls = ane_worker.eager_predict(cfg, B, T, __import__('torch').float32), [0]
+    inner, calls = worker.eager_predict(cfg, B, T, __import__('torch').float32), [0]
 
     def predict(piece, inputs):
         calls[0] += 1

@@ -1,9 +1,9 @@
 """
 Before a Mac trains: a self-check that finds out, on this machine, whether the ANE path works
-and how fast, and the memory preflight the trainer runs before its first step.
+and how fast; and the report of what the programs hold against the analytic FLOP count.
 
     python export_ane.py --check                      # the trainer's defaults: GPT-2 124M
-    python export_ane.py --check --n_layer 2 --n_head 2 --n_embd 64 --block_size 64 --microbatch 2
+    python export_ane.py --check --n_layer 2 --n_head 2 --n_embd 64 --block_size 64 --ane_batch_size 2
 
 Each stage runs in a child process of its own (spawn) with its own timeout, so a stage that
 hangs, raises or is killed (a failed ANE compile kills its process at the first predict,
@@ -23,8 +23,11 @@ import time
 import numpy as np
 import torch
 
-import hetero_gpt as hg
-import settings  # one_line, check_coreml
+import hetero_gpt as hg  # defines: the model, its derivation, build_coreml_program, ane_engine
+from plumbing import memory  # defines: memory_estimate, total_memory
+from plumbing import programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
+from plumbing import settings  # defines: one_line, check_coreml, import_coremltools
+from plumbing import worker  # defines: WorkerEngine, exit_text
 
 # (name, needs macOS, what it finds out)
 STAGES = (('environment', False, "macOS, chip, memory, versions, MPS, powermetrics"),
@@ -51,11 +54,10 @@ def run_stage(name, ctx, timeout, target=None):
     """Runs a stage, the function `target` ('module:function', of ctx -> a dict; by default
     this file's function `name`) in a spawned child process, cut at `timeout` seconds:
     {'name', 'seconds', 'status': ok | failed | timeout | killed, 'result' | 'error'}."""
-    from ane_worker import exit_text
     mp = multiprocessing.get_context('spawn')
     conn, child = mp.Pipe()
     # not a daemon: a stage may start a process of its own (the ANE worker)
-    proc = mp.Process(target=_child, args=(child, target or f'ane_check:{name}', ctx), name=f'check-{name}')
+    proc = mp.Process(target=_child, args=(child, target or f'tools.ane_check:{name}', ctx), name=f'check-{name}')
     t0 = time.monotonic()
     proc.start()
     child.close()
@@ -73,7 +75,7 @@ def run_stage(name, ctx, timeout, target=None):
             out = dict(status='timeout', error=f"no answer within {timeout:.0f} s: stopped")
         else:
             proc.join()
-            out = dict(status='killed', error=f"the stage's process died ({exit_text(proc.exitcode)})")
+            out = dict(status='killed', error=f"the stage's process died ({worker.exit_text(proc.exitcode)})")
     proc.join(5)
     return dict(name=name, seconds=round(time.monotonic() - t0, 2)) | out
 
@@ -104,7 +106,7 @@ def write_report(records, ctx, path):
             raise hg.UserError(f"{p} exists and was not written by this check: refusing to overwrite it; "
                                "use --check_report to name another file")
     doc = dict(heterogpt_check=1, when=time.strftime('%Y-%m-%d %H:%M:%S'), config=ctx['cfg'],
-               microbatch=ctx['B'], seq_len=ctx['T'], gpu_batch=ctx['gpu_batch'], stages=records)
+               ane_batch_size=ctx['B'], block_size=ctx['T'], gpu_batch=ctx['gpu_batch'], stages=records)
     lines = ['<!-- heterogpt_check -->', '# HeteroEngine ANE self-check', '',
              f"{doc['when']}, {platform.platform()}, model {hg.GPTConfig(**ctx['cfg'])}, "
              f"{ctx['B']}x{ctx['T']} tokens a call", '', '| stage | status | seconds | what it found |', '|---|---|---|---|']
@@ -142,6 +144,36 @@ def _summary(r):
     return ', '.join(f"{k} {res[k]}" for k in keys if k in res).replace('|', '/')
 
 
+# ---- what the programs hold, against the analytic count
+
+def analytic_flops(cfg, B, T):
+    """(matmul FLOPs the derivation must do, the usual 6*N*params + attention estimate).
+    Per token, each weight matrix costs 2 FLOPs per element forward and 4 backward (dx and
+    dW): 6*N*W. Attention per layer: q k^T and P v forward (2*2*B*T^2*C), twice that
+    backward. The usual estimate uses every parameter but the position table (biases and
+    norms are not matmuls) and adds nothing for elementwise work."""
+    C, L, N = cfg.n_embd, cfg.n_layer, B * T
+    rows, spans = hg.vocab_chunks(cfg.vocab_size)
+    V = rows * len(spans)  # the LM head multiplies the aligned chunks, padding rows included
+    matrices = L * 12 * C * C + V * C  # qkv 3C^2, proj C^2, fc 4C^2, proj 4C^2; tied LM head
+    attention = 12 * L * B * T * T * C
+    params = sum(p.numel() for k, p in hg.gpt_param_shapes(cfg).items() if k != 'transformer.wpe.weight')
+    return 6 * N * matrices + attention, 6 * N * params + attention
+
+
+def step_report(reports, cfg, B, T):
+    """One microbatch of B sequences through every program: each piece's calls (L blocks
+    forward and backward, one head), its totals, against the analytic count."""
+    calls = {'step': 1, 'block_forward': cfg.n_layer, 'head': 1, 'block_backward': cfg.n_layer}
+    total = {k: sum(calls[p] * r[k] for p, r in reports.items())
+             for k in ('flops', 'matmul_flops', 'sum_flops', 'bytes_in', 'bytes_out')}
+    exact, estimate = analytic_flops(cfg, B, T)
+    return total | dict(calls={p: calls[p] for p in reports}, analytic_matmul_flops=exact, estimate_flops=estimate,
+                        live_bytes=max(r['live_bytes'] for r in reports.values()),
+                        largest_dim=max(r['largest_dim'] for r in reports.values()))
+
+
+
 # ---- the stages: each a function of ctx (plain values) -> a dict of plain values
 
 
@@ -149,10 +181,10 @@ def _summary(r):
 def environment(ctx):
     import numpy
     info = dict(os=platform.platform(), python=platform.python_version(), machine=platform.machine(),
-                cpus=os.cpu_count(), memory_gib=round(total_memory() / 2**30, 1), torch=torch.__version__,
+                cpus=os.cpu_count(), memory_gib=round(memory.total_memory() / 2**30, 1), torch=torch.__version__,
                 numpy=numpy.__version__, mps=torch.backends.mps.is_available(), cuda=torch.cuda.is_available())
     try:
-        info['coremltools'] = hg.import_coremltools().__version__
+        info['coremltools'] = settings.import_coremltools().__version__
     except ImportError:
         info['coremltools'] = None
     if hg.ON_MAC:
@@ -175,16 +207,14 @@ def probes(ctx):
     sections 2, 3), saved in a folder of their own."""
     import shutil
     import tempfile
-    import export_ane
-    ct = hg.import_coremltools()
+    ct = settings.import_coremltools()
     cfg, N = hg.GPTConfig(**ctx['cfg']), ctx['B'] * ctx['T']
     C, V = cfg.n_embd, hg.vocab_chunks(cfg.vocab_size)[0]
     rng = np.random.default_rng(0)
-    ops = hg.MILOps
     cases = {  # name: (fn of MILOps and inputs -> outputs, inputs)
         'matmul, both operands inputs': (lambda o, x, w: {'y': o.matmul(x, w, tb=True)},
                                         dict(x=rng.standard_normal((N, C)), w=rng.standard_normal((4 * C, C)) / 30)),
-        'long sum as reduce_sum': (lambda o, x: {'y': o._u('reduce_sum', x, axes=[0], keep_dims=True)},
+        'long sum as reduce_sum': (lambda o, x: {'y': hg.MILTensor(o.mb.reduce_sum(x=x.v, axes=[0], keep_dims=True))},
                                    dict(x=rng.standard_normal((N, C)) * 0.01 + 0.005)),
         'long sum as a matmul with ones': (lambda o, x: {'y': o.sum(x, 0)}, dict(x=rng.standard_normal((N, C)) * 0.01 + 0.005)),
         'softmax over a vocabulary chunk': (lambda o, z: {'y': o.softmax(z, -1)}, dict(z=rng.standard_normal((64, V)) * 2)),
@@ -196,7 +226,7 @@ def probes(ctx):
     try:
         for name, (fn, inputs) in cases.items():
             inputs = {k: v.astype(np.float16).astype(np.float32) for k, v in inputs.items()}
-            prog = export_ane.mil_program(lambda **t: fn(ops(), **t), **{k: v.shape for k, v in inputs.items()})
+            prog = hg.mil_program(fn, {k: v.shape for k, v in inputs.items()})
             path = os.path.join(folder, f'probe{len(out)}.mlpackage')
             model = ct.convert(prog, convert_to='mlprogram', compute_precision=ct.precision.FLOAT16,
                                minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
@@ -204,7 +234,7 @@ def probes(ctx):
             m = ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE)
             y = hg.coreml_predict(m, inputs)['y']
             rec = dict(ms=m.last_predict_duration_in_nano_seconds / 1e6, finite=bool(np.isfinite(y).all()),
-                       placement=export_ane.macos_placement(m.get_compiled_model_path()))
+                       placement=programs.macos_placement(m.get_compiled_model_path()))
             if name.startswith('long sum'):
                 exact = inputs['x'].astype(np.float64).sum(0)
                 rec['relative_error'] = float(np.abs(y.reshape(-1) - exact).max() / np.abs(exact).max())
@@ -219,19 +249,18 @@ def probes(ctx):
 
 def programs(ctx):
     """Export at the configured shapes (reused when already there), the report and the audit."""
-    import export_ane
     cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
     meta = None
     try:
-        meta = export_ane.read_programs_meta(ctx['out'])
+        meta = programs.read_meta(ctx['out'])
     except hg.UserError:
         pass
     t0 = time.perf_counter()
-    if meta != export_ane.programs_meta(cfg, B, T, hg.ANE_PIECES):
-        export_ane.export_programs(cfg, B, T, ctx['out'])
-    reports = {p: export_ane.program_report(export_ane.load_coreml_program(export_ane.program_path(ctx['out'], p)))
+    if meta != programs.meta(cfg, B, T, hg.ANE_PIECES):
+        programs.export_programs(cfg, B, T, ctx['out'], hg.build_coreml_program, hg.ANE_PIECES)
+    reports = {p: programs.program_report(programs.load_coreml_program(programs.program_path(ctx['out'], p)))
                for p in hg.ANE_PIECES}
-    st = export_ane.step_report(reports, cfg, B, T)
+    st = step_report(reports, cfg, B, T)
     return dict(seconds=round(time.perf_counter() - t0, 2), ops=sum(r['ops'] for r in reports.values()),
                 live_mib=round(st['live_bytes'] / 2**20), largest_dim=st['largest_dim'],
                 off_ane=sorted({k for r in reports.values() for k in r['off_ane']}),
@@ -244,15 +273,14 @@ def coreml(ctx):
     """macOS: each program compiled into the trainer's cache (was it there?), loaded from it as
     the trainer loads it, its placement, and the median of three timed calls on CPU_AND_NE and
     on CPU_ONLY (wall time, the Python side's copies included)."""
-    import export_ane
-    ct = hg.import_coremltools()
+    ct = settings.import_coremltools()
     cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
     out = {}
     for piece in hg.ANE_PIECES:
         t0 = time.perf_counter()
-        compiled, cached = export_ane.compiled_model(ctx['out'], piece)
+        compiled, cached = programs.compiled_model(ctx['out'], piece)
         rec = dict(cached=cached, compile_s=round(time.perf_counter() - t0, 2),
-                   placement=export_ane.macos_placement(compiled))
+                   placement=programs.macos_placement(compiled))
         inputs = {k: (np.random.default_rng(0).standard_normal(s) * 0.1).astype(np.float32)
                   for k, s in hg.piece_input_shapes(cfg, B, T, piece).items()}
         for units in ('CPU_AND_NE', 'CPU_ONLY'):
@@ -274,7 +302,6 @@ def coreml(ctx):
 def gradients(ctx):
     """The chained programs (Core ML on macOS, the NumPy evaluator elsewhere) against fp64
     autograd on one random microbatch: the worst cosine over every parameter's gradient."""
-    import export_ane
     cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
     torch.manual_seed(0)
     model = hg.GPT(cfg).double()
@@ -284,7 +311,7 @@ def gradients(ctx):
         l64 = model(idx[i:i + 1], targets[i:i + 1])[1] / B
         l64.backward()
         loss += l64.detach()
-    engine = export_ane.open_programs(ctx['out'], scaler=hg.LossScaler(hg.Config.ane_loss_scale, 0))
+    engine = hg.ane_engine(dict(programs=ctx['out']), hg.LossScaler(hg.Config.ane_loss_scale, 0))
     engine.load_weights(dict(model.named_parameters()))
     t0 = time.perf_counter()
     l, grads = engine.loss_and_grads(idx, targets)
@@ -299,9 +326,8 @@ def gradients(ctx):
 def concurrency(ctx, watts=False):
     """macOS: the GPU engine and the ANE worker (Core ML), each alone and beside the other. The
     GPU engine's device is the trainer's default, resolve_device('auto'): MPS on a Mac."""
-    import ane_worker
-    return ane_worker.overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], hg.resolve_device('auto'),
-                              evaluator='coreml', programs=ctx['out'], gpu_iters=10, ane_iters=3, watts=watts)
+    return overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], settings.resolve_device('auto'),
+                              evaluator='coreml', program_dir=ctx['out'], gpu_iters=10, ane_iters=3, watts=watts)
 
 
 def energy(ctx):
@@ -314,8 +340,9 @@ def projection(ctx):
     other runs, summed), the share of microbatches auto would give the ANE; and the memory a
     run of these settings takes against this machine's."""
     cfg = hg.Config(**ctx['cfg'], batch_size=ctx['gpu_batch'], ane_batch_size=ctx['B'])
-    mem = memory_estimate(cfg, 'hetero', torch.device('mps' if hg.ON_MAC else 'cpu'), torch.float32)  # the Mac's run
-    out = dict(memory_gib=round(mem['total'] / 2**30, 2), machine_gib=round(total_memory() / 2**30, 1),
+    mem = memory.memory_estimate(cfg, 'hetero', torch.device('mps' if hg.ON_MAC else 'cpu'), torch.float32,
+                                 hg.model_sizes(cfg))  # the Mac's run
+    out = dict(memory_gib=round(mem['total'] / 2**30, 2), machine_gib=round(memory.total_memory() / 2**30, 1),
                memory=mem)
     times = (ctx.get('results') or {}).get('concurrency')
     if times:
@@ -328,12 +355,71 @@ def projection(ctx):
     return out
 
 
-# ---- the memory a run takes
 
 
 
 
 
+def overlap(cfg, gpu_batch, ane_batch, device, evaluator='eager', program_dir=None, gpu_iters=30, ane_iters=5,
+            watts=False, dtype=torch.float32, ane_dtype='float32', threads=None, ane_microbatch=None):
+    """The Mac's structure, timed: the GPU engine (autograd on `device`, gpu_batch sequences a
+    microbatch) in this process, the worker (`evaluator`, ane_microbatch sequences a call, run
+    ane_batch at a time) in its own; each alone, then each while the other computes, in one
+    run. Medians in seconds: {gpu,ane}_{alone,beside}; exchange_{alone,beside}: this side's wall
+    time per call minus the worker's own; with watts, each part's watts (powermetrics) alone."""
+    import threading
+    from plumbing.energy import PowermetricsMeter
+    ane_microbatch = ane_microbatch or gpu_batch
+    torch.manual_seed(0)
+    model = hg.GPT(cfg).to(device)
+    gpu = hg.AutogradEngine(model, device, dtype)
+    spec = dict(cfg=dataclasses.asdict(cfg), shapes={k: tuple(p.shape) for k, p in hg.gpt_param_shapes(cfg).items()},
+                B=ane_batch, T=cfg.block_size, max_batch=ane_microbatch, evaluator=evaluator, dtype=ane_dtype,
+                threads=threads or max(1, hg.CPU_THREADS - 1), programs=program_dir)
+    w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
+    rand = lambda b: tuple(torch.randint(0, cfg.vocab_size, (b, cfg.block_size)) for _ in range(2))
+    gb, ab = rand(gpu_batch), rand(ane_microbatch)
+    w.load_weights(dict(model.named_parameters()))
+    phase, exchanges = ['warm-up'], {}
+
+    def timed(engine, batch, n, stop=None, seconds=0.0):  # n calls and `seconds`, or until stop is set
+        out = []
+        while len(out) < n or sum(out) < seconds or (stop is not None and not stop.is_set()):
+            t0 = time.perf_counter()
+            float(engine.loss_and_grads(*batch)[0])  # waits for the device (releases the GIL)
+            out.append(time.perf_counter() - t0)
+            if engine is w:
+                exchanges.setdefault(phase[0], []).append(out[-1] - w.seconds)
+            if stop is None and len(out) >= n and sum(out) >= seconds:
+                break
+        return out
+
+    try:
+        timed(gpu, gb, 3), timed(w, ab, 1)  # warm-up: kernels, the allocator, the worker's first call
+        phase[0], res, power = 'alone', {}, {}
+        for name, engine, batch, n in (('gpu', gpu, gb, gpu_iters), ('ane', w, ab, ane_iters)):
+            meter = PowermetricsMeter() if watts else None
+            t0, before = time.perf_counter(), dict(meter.parts) if meter else {}
+            res[f'{name}_alone'] = timed(engine, batch, n, seconds=3.0 if meter else 0.0)  # (a dozen samples)
+            if meter:
+                dt = time.perf_counter() - t0
+                power[f'{name}_alone_watts'] = {k: round((v - before.get(k, 0.0)) / dt, 2) for k, v in meter.parts.items()}
+                meter.close()
+        phase[0] = 'beside'
+        for busy, measured in (((w, ab), (gpu, gb, gpu_iters, 'gpu')), ((gpu, gb), (w, ab, ane_iters, 'ane'))):
+            stop = threading.Event()
+            bg = threading.Thread(target=timed, args=(*busy, 1, stop))
+            bg.start()
+            time.sleep(0.5)  # the other engine well under way
+            res[f'{measured[3]}_beside'] = timed(*measured[:3])
+            stop.set()
+            bg.join()
+    finally:
+        w.close()
+    out = {k: float(np.median(v)) for k, v in res.items()}
+    out |= {f'{k}_spread': float(np.std(v) / np.median(v)) for k, v in res.items() if k.endswith('alone')}
+    out |= {f'exchange_{k}': float(np.median(v)) for k, v in exchanges.items() if k != 'warm-up'}
+    return out | power | dict(gpu_label=gpu.label, ane_label=w.label)
 
 
 def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print):

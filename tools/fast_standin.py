@@ -1,29 +1,30 @@
 """
-What only makes the off-Mac stand-in for the ANE faster. hetero_gpt.py is the reference;
-this file specializes its eager engine, and deleting it breaks no mode: the plain
-EagerEngine runs instead (and --fused_kernels says it needs this file).
+What only makes training off a Mac faster. hetero_gpt.py is the reference; this file
+specializes it with subclasses, and hetero_gpt.py never imports it: deleting it breaks no mode.
+
+    python -m tools.fast_standin --mode hetero [any hetero_gpt.py flag] [--fused_kernels]
+    python bench.py --fast ...                   # the modes side by side, with these classes
 
 FusedOps        the derivation's pieces by PyTorch's fused kernels, through public APIs:
-                F.linear (the bias added in the GEMM's epilogue), torch.func.vjp over
-                F.layer_norm, F.gelu and F.scaled_dot_product_attention (with a gradient
-                to give, the dispatcher picks the training kernel: cuDNN's on an H200 in
-                bf16/fp16, flash or memory-efficient elsewhere; the (B, H, T, T) matrix is
-                never stored), the QKV projection as one (N, 3C) GEMM, log-sum-exp by the
-                log-softmax kernel. Each overrides a whole forward/backward pair of
-                hetero_gpt.Derivation, cache included; each is tested against fp64 autograd.
+                F.linear, and torch.func.vjp over F.layer_norm, F.gelu and
+                F.scaled_dot_product_attention (the (B, H, T, T) matrix is never stored).
+                Each overrides a whole forward/backward pair, cache included.
+CompiledOps     the block and LM-head pairs compiled whole by torch.compile.
 FastEagerEngine the eager engine with its step captured once as a CUDA graph and replayed
-                (one launch where eager PyTorch makes ~100 per layer from Python, which
-                leaves the GIL to the GPU engine's thread), on its own CUDA stream (so it
-                overlaps the autograd engine's work on the same GPU instead of queueing
-                behind it), and with one flat copy of the weights to another GPU.
+                (one launch, which leaves the GIL to the GPU engine's thread), on its own
+                CUDA stream (so it overlaps the GPU engine on the same GPU), and with one
+                flat copy of the weights to another GPU.
+PaddedHeadGPT   the GPU engine's LM head on the vocabulary padded to a multiple of 64.
 """
 import contextlib
+import dataclasses
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 
-import hetero_gpt as hg
+import hetero_gpt as hg  # defines: TorchOps, EagerEngine, GPT, Config, eager_loss_and_grads, main, train
 
 
 class FusedOps(hg.TorchOps):
@@ -70,16 +71,17 @@ class FusedOps(hg.TorchOps):
 
     # one wide GEMM against the three weights stacked (nanoGPT's c_attn) runs faster than
     # three narrow ones; its backward is two GEMMs and one bias sum where three make six
-    def qkv_forward(self, a, p):
-        w = torch.cat([p['wq'], p['wk'], p['wv']])
-        b = torch.cat([p['bq'], p['bk'], p['bv']]) if 'bq' in p else None
-        return self.linear_forward(a, w, b).chunk(3, -1), (a, w)  # column blocks of (N, 3C), views
+    def qkv_forward(self, a, w):
+        wqkv = torch.cat([w['wq'], w['wk'], w['wv']])
+        b = torch.cat([w['bq'], w['bk'], w['bv']]) if 'bq' in w else None
+        return self.linear_forward(a, wqkv, b).chunk(3, -1), (a, wqkv)  # column blocks of (N, 3C), views
 
-    def qkv_backward(self, dq, dk, dv, p, cache, d):
-        a, w = cache
-        da, dw, db = self.linear_backward(torch.cat([dq, dk, dv], -1), a, w)
+    def qkv_backward(self, dq, dk, dv, w, cache):
+        a, wqkv = cache
+        da, dw, db = self.linear_backward(torch.cat([dq, dk, dv], -1), a, wqkv)
+        d = {}
         (d['wq'], d['wk'], d['wv']), (d['bq'], d['bk'], d['bv']) = dw.chunk(3, 0), db.chunk(3, 0)
-        return da
+        return da, d
 
     def logsumexp_forward(self, z):
         """One pass to read z and one to write, where the written-out ops make six.
@@ -100,34 +102,44 @@ def flat_buffer(like, dtype, device):
     return flat, [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
-_COMPILED = {}  # (backend class, piece name) -> its torch.compile'd function (CompiledOps.fused)
+def compiled(method):
+    """method, compiled by torch.compile at its first call (whole: a layernorm's ~10 passes
+    over memory become 2)."""
+    fn = None
+
+    @functools.wraps(method)
+    def call(self, *args, **kw):
+        nonlocal fn
+        fn = fn or torch.compile(method, dynamic=False)
+        return fn(self, *args, **kw)
+    return call
 
 
 class CompiledOps(hg.TorchOps):
-    """TorchOps with each piece (a block's forward, its backward, the head...) compiled whole by
-    torch.compile (--compile): eager, a layernorm makes ~10 passes over memory, fused 2."""
-
-    def fused(self, method):
-        key = (type(self), method.__name__)
-        if key not in _COMPILED:
-            _COMPILED[key] = torch.compile(method.__func__, dynamic=False)
-        return functools.partial(_COMPILED[key], self)
+    """TorchOps with its block and LM-head pairs each compiled whole."""
+    block_forward = compiled(hg.TorchOps.block_forward)
+    block_backward = compiled(hg.TorchOps.block_backward)
+    lm_head_forward = compiled(hg.TorchOps.lm_head_forward)
+    lm_head_backward = compiled(hg.TorchOps.lm_head_backward)
 
 
 class FastEagerEngine(hg.EagerEngine):
-    def __init__(self, cfg, device, dtype, scaler, compile=False, fused_kernels=False):
+    fused_kernels = compile = False  # set by main from its flags
+
+    def __init__(self, cfg, device, dtype, scaler):
+        super().__init__(cfg, device, dtype, scaler)
         # the fused pieces hold vjp functions in their caches, which torch.compile cannot
         # return from a compiled piece: with fused kernels the derivation runs uncompiled
-        self.ops = FusedOps if fused_kernels else CompiledOps if compile else hg.TorchOps
-        super().__init__(cfg, device, dtype, scaler)
+        ops = FusedOps if self.fused_kernels else CompiledOps if self.compile else hg.TorchOps
+        self.ops = ops(dtype, device)
         self.stream = torch.cuda.Stream(device) if device.type == 'cuda' else None
-        self.use_graph = device.type == 'cuda' and self.ops is not CompiledOps
+        self.use_graph = device.type == 'cuda' and ops is not CompiledOps
         self.graph = self.graph_key = self.staging = None
-        self.label = self.label[:-1] + (", CUDA graph" if self.use_graph else "") + \
-            (", fused kernels)" if fused_kernels else ")")
+        extras = [', CUDA graph'] * self.use_graph + [', fused kernels'] * self.fused_kernels
+        self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')}{''.join(extras)})"
 
-    def running(self):
-        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
+    def running(self):  # this engine's stream (the current stream is per thread)
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def load_weights(self, params):
@@ -145,10 +157,9 @@ class FastEagerEngine(hg.EagerEngine):
         if self.stream is not None and src.type == 'cuda':
             self.stream.wait_stream(torch.cuda.current_stream(src))
         with self.running():
-            if self.staging is None:
-                torch._foreach_copy_(list(self.w.values()), list(params.values()))
-            else:
-                torch._foreach_copy_(self.staging_w, list(params.values()))
+            for w, p in zip(self.w.values() if self.staging is None else self.staging_w, params.values()):
+                w.copy_(p)
+            if self.staging is not None:
                 self.flat.copy_(self.staging)
 
     def capture(self, shape, scale):
@@ -157,7 +168,7 @@ class FastEagerEngine(hg.EagerEngine):
         self.graph = self.g_out = None  # the old graph's memory first
         self.g_idx = torch.zeros(shape, dtype=torch.long, device=self.device)
         self.g_tgt = torch.zeros_like(self.g_idx)
-        run = lambda: hg.eager_loss_and_grads(self.o, self.cfg, self.w, self.g_idx, self.g_tgt, scale)
+        run = lambda: hg.eager_loss_and_grads(self.ops, self.cfg, self.w, self.g_idx, self.g_tgt, scale)
         run()  # once outside the capture: cuBLAS picks its kernels and workspaces
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode='thread_local'):
@@ -166,7 +177,10 @@ class FastEagerEngine(hg.EagerEngine):
 
     def loss_and_grads(self, idx, targets):
         """(loss, grads), tensors of the caller's own: copies of the graph's output
-        buffers, which the next replay overwrites."""
+        buffers, which the next replay overwrites. The engine's thread stays on its stream,
+        so that the step's sums of these gradients run there too."""
+        if self.stream is not None:
+            torch.cuda.set_stream(self.stream)
         with self.running():
             key = (tuple(idx.shape), self.scaler.scale)
             if self.use_graph and self.graph_key != key:
@@ -174,7 +188,6 @@ class FastEagerEngine(hg.EagerEngine):
                     self.capture(*key)
                 except RuntimeError as e:  # e.g. out of memory: run op by op instead
                     self.use_graph, self.graph, self.g_out = False, None, None
-                    self.label = self.label.replace(', CUDA graph', '')
                     print(f"{self.label}: CUDA graph capture failed ({e}); running the step op by op")
             if not self.use_graph:
                 return super().loss_and_grads(idx, targets)
@@ -184,3 +197,49 @@ class FastEagerEngine(hg.EagerEngine):
             loss, grads = self.g_out
             return loss.clone(), {k: v.clone() for k, v in grads.items()}
 
+
+class PaddedHeadGPT(hg.GPT):
+    """GPT with its LM head on the vocabulary padded with zero rows to a multiple of 64:
+    tensor cores want aligned rows, and GPT-2's 50257 takes a slow path. A constant bias of
+    -inf on the padding rows drops them from the softmax and the gradients: GPT-2's loss."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        V, self.pad = config.vocab_size, -config.vocab_size % 64
+        self.register_buffer('pad_logits', torch.cat([torch.zeros(V), torch.full((self.pad,), -math.inf)]),
+                             persistent=False)  # not in the state dict
+
+    def forward(self, idx, targets=None):
+        if targets is None or not self.pad:
+            return super().forward(idx, targets)
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        w, dev = self.lm_head.weight, x.device.type
+        if torch.is_autocast_enabled(dev) and w.dtype == torch.float32:  # pad autocast's half copy: half the bytes
+            w = w.to(torch.get_autocast_dtype(dev))
+        logits = F.linear(x, F.pad(w, (0, 0, 0, self.pad)), self.pad_logits)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits[..., :self.config.vocab_size], loss
+
+
+@dataclasses.dataclass
+class FastConfig(hg.Config):
+    fused_kernels: bool = hg.setting(False, "the stand-in's pieces as fused kernels (fp32 statistics inside)")
+
+
+def install(cfg):
+    """The reference's GPT and EagerEngine replaced, for this process, by this file's subclasses."""
+    FastEagerEngine.fused_kernels, FastEagerEngine.compile = getattr(cfg, 'fused_kernels', False), cfg.compile
+    hg.GPT, hg.EagerEngine = PaddedHeadGPT, FastEagerEngine
+
+
+def train(cfg, given):
+    install(cfg)
+    return hg.train(cfg, given)
+
+
+if __name__ == '__main__':
+    hg.main(run=train, cls=FastConfig)
