@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 
 import hetero_gpt as hg  # defines: Config, setup, load_data, build_run, step_batches, main
-from tools import fast_standin  # defines: FastConfig, install (its model and stand-in in the reference's place)
 
 
 @dataclass
-class BenchConfig(fast_standin.FastConfig):
+class BenchConfig(hg.Config):
     bench_iters: int = hg.setting(10, "timed steps per mode and round (after >= 5 warm-up steps and 3 s)")
     bench_repeats: int = hg.setting(3, "rounds: the modes take turns, each reports its median round")
     fast: bool = hg.setting(False, "run tools/fast_standin.py's model and stand-in")
+    fused_kernels: bool = hg.setting(False, "with --fast: the stand-in's pieces as fused kernels")
 
 
 def device_synchronize(device):
@@ -40,6 +40,10 @@ def bench(cfg, given):
         raise hg.UserError("--bench_iters and --bench_repeats must be at least 1")
     device, dtype = hg.setup(cfg, given)
     if cfg.fast:
+        try:
+            from tools import fast_standin  # defines: install (its model and stand-in in the reference's place)
+        except ImportError:
+            raise hg.UserError("--fast needs tools/fast_standin.py, which is absent") from None
         fast_standin.install(cfg)
     data = hg.load_data(cfg)
     torch.manual_seed(cfg.seed)

@@ -109,7 +109,7 @@ def rows_pass(rows, dtype):
 
 
 # ---- each piece against autograd (fp64, random inputs, a random upstream gradient).
-# Each check_* takes the backend class: TorchOps here, standin.FusedOps in tests/test_standin.py,
+# Each check_* takes the backend class: TorchOps here, FusedOps in tests/test_standin.py,
 # at the same bounds.
 
 def check_piece(ops, forward, backward, reference, inputs):
@@ -177,14 +177,13 @@ def check_qkv(ops, bias):
     names = ['wq', 'wk', 'wv'] + (['bq', 'bk', 'bv'] if bias else [])
 
     def forward(o, a, w, *b):
-        p = dict(zip(names, list(w.chunk(3)) + (list(b[0].chunk(3)) if b else [])))
-        (q, k, v), cache = o.qkv_forward(a, p)
-        return torch.cat([q, k, v], -1), (p, cache)
+        weights = dict(zip(names, list(w.chunk(3)) + (list(b[0].chunk(3)) if b else [])))
+        (q, k, v), cache = o.qkv_forward(a, weights)
+        return torch.cat([q, k, v], -1), (weights, cache)
 
     def backward(o, dy, cache, *_):
-        p, c = cache
-        d = {}
-        da = o.qkv_backward(*dy.chunk(3, -1), p, c, d)
+        weights, c = cache
+        da, d = o.qkv_backward(*dy.chunk(3, -1), weights, c)
         return [da, torch.cat([d[n] for n in names[:3]])] + ([torch.cat([d[n] for n in names[3:]])] if bias else [])
     check_piece(ops, forward, backward, lambda a, w, *b: F.linear(a, w, *b), [a, w] + ([b] if bias else []))
 

@@ -1,8 +1,8 @@
-"""standin.py, the stand-in's fast paths: each fused piece and the whole step against fp64
-autograd (CPU, at test_grads.py's bounds), the CUDA graph, the engine on a second GPU and
-each attention kernel (skipped without CUDA, as in CI; on a GPU machine:
+"""tools/fast_standin.py, the stand-in's fast paths: each fused piece and the whole step against
+fp64 autograd (CPU, at test_grads.py's bounds), the padded LM head, the CUDA graph, the engine
+on a second GPU and each attention kernel (skipped without CUDA, as in CI; on a GPU machine:
 python -m pytest -q tests/test_standin.py). And the reference without it: a copy of the
-project with standin.py deleted still trains in every mode and passes every other test."""
+project with the file deleted still trains in every mode and passes every other test."""
 import os
 import shutil
 import subprocess
@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import hetero_gpt as hg
 import test_grads as tg
 
-standin = pytest.importorskip('standin')  # absent in the copy made by test_every_mode_trains_without_standin
+standin = pytest.importorskip('tools.fast_standin')  # absent in the copy made by test_every_mode_trains_without_standin
 FusedOps = standin.FusedOps
 CFG = hg.GPTConfig(block_size=32, vocab_size=20000, n_layer=2, n_head=2, n_embd=32)  # 2 vocab chunks
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -79,24 +79,45 @@ def test_fused_kernels_model_grads(dtype, case):
             assert tg.rel_err(grads[k], ref[k]) <= tg.TOL[dtype], k
 
 
-def test_trainer_takes_the_fast_engine_where_it_adds_something():
+def test_install_puts_the_fast_classes_in_the_reference(monkeypatch):
+    for name in ('GPT', 'EagerEngine'):  # put back after the test
+        monkeypatch.setattr(hg, name, getattr(hg, name))
+    for name in ('fused_kernels', 'compile'):
+        monkeypatch.setattr(standin.FastEagerEngine, name, False)
     cpu = torch.device('cpu')
-    cfg, _ = hg.parse_args(['--fused_kernels'])
-    assert hg.eager_engine_class(cfg, cpu).func is standin.FastEagerEngine
-    assert hg.eager_engine_class(hg.parse_args([])[0], cpu) is hg.EagerEngine  # nothing to add on a CPU
-    eng = hg.eager_engine_class(cfg, cpu)(CFG, cpu, torch.float32, hg.LossScaler(1.0, 0, enabled=False))
-    assert isinstance(eng.o, FusedOps) and eng.stream is None and not eng.use_graph and 'fused' in eng.label
+    cfg, _ = hg.parse_args(['--fused_kernels'], cls=standin.FastConfig)
+    standin.install(cfg)
+    assert hg.GPT is standin.PaddedHeadGPT and hg.EagerEngine is standin.FastEagerEngine
+    eng = hg.EagerEngine(CFG, cpu, torch.float32, hg.LossScaler(1.0, 0, enabled=False))
+    assert isinstance(eng.ops, FusedOps) and eng.stream is None and not eng.use_graph and 'fused' in eng.label
+
+
+def test_padded_head_gives_gpt2s_loss_and_gradients():
+    # the LM head on 20032 rows (20000 padded to a multiple of 64, -inf bias on the padding):
+    # the same loss and gradients as the plain head, in fp64 to its rounding (a different
+    # summation order over the padded vocabulary: 1e-12 relative)
+    torch.manual_seed(0)
+    plain = hg.GPT(CFG).double()
+    padded = standin.PaddedHeadGPT(CFG).double()
+    padded.load_state_dict(plain.state_dict())
+    idx, targets = (torch.randint(0, CFG.vocab_size, (2, CFG.block_size)) for _ in range(2))
+    (logits_a, a), (logits_b, b) = plain(idx, targets), padded(idx, targets)
+    a.backward()
+    b.backward()
+    assert padded.pad == 32 and logits_b.shape == logits_a.shape and abs(a.item() - b.item()) <= 1e-12 * a.item()
+    for (k, p), q in zip(plain.named_parameters(), padded.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), k
 
 
 # ---- without standin.py
 
 @pytest.mark.skipif(os.environ.get('HETERO_WITHOUT_STANDIN') == '1', reason="already the copy without it")
 def test_every_mode_trains_without_standin(tmp_path):
-    # the project's tracked files, standin.py left out, in a new folder: every mode trains
+    # the project's tracked files, tools/fast_standin.py left out, in a new folder: every mode trains
     # there (a CLI run each) and every other test passes (this file's own are skipped)
     files = subprocess.run(['git', 'ls-files'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for f in files:
-        if f != 'standin.py' and os.path.exists(os.path.join(ROOT, f)):
+        if f != 'tools/fast_standin.py' and os.path.exists(os.path.join(ROOT, f)):
             os.makedirs(tmp_path / os.path.dirname(f), exist_ok=True)
             shutil.copy2(os.path.join(ROOT, f), tmp_path / f)
     env = dict(os.environ, HETERO_WITHOUT_STANDIN='1', PYTHONPATH=str(tmp_path))
@@ -109,10 +130,10 @@ def test_every_mode_trains_without_standin(tmp_path):
     for mode in ('gpu', 'ane', 'hetero'):
         r = run('hetero_gpt.py', *tiny, '--mode', mode, '--out_dir', f'out_{mode}')
         assert r.returncode == 0 and 'val_loss' in r.stdout, (mode, r.stdout[-1000:], r.stderr[-2000:])
-    r = run('hetero_gpt.py', *tiny, '--mode', 'ane', '--fused_kernels', '--ane_worker', 'false', '--out_dir', 'out_fused')
-    assert r.returncode == 2 and 'needs standin.py' in r.stderr, r.stderr[-2000:]
+    r = run('bench.py', *tiny, '--fast', '--out_dir', 'out_fast')
+    assert r.returncode == 2 and 'needs tools/fast_standin.py' in r.stderr, r.stderr[-2000:]
     # (the ANE programs at GPT-2's real shapes, and the Mac path, whose ANE engine is Core ML,
-    # never reach an engine standin.py could serve: not twice)
+    # never reach an engine the fast file could serve: not twice)
     r = run('-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-k', 'not gpt2_124m_shapes and not real_vocabulary',
             '--ignore', 'tests/test_macos.py')
     assert r.returncode == 0 and ' passed' in r.stdout and 'failed' not in r.stdout, r.stdout[-3000:]

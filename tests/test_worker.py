@@ -1,4 +1,4 @@
-"""The ANE engine in its worker process (worker.py): the process boundary, the shared
+"""The ANE engine in its worker process (plumbing/worker.py): the process boundary, the shared
 buffers, the timeouts and every fault path, with stand-ins for Core ML (tests/worker_faults.py)."""
 import dataclasses
 import os
@@ -6,16 +6,17 @@ import os
 import pytest
 import torch
 
-from plumbing import worker
 import hetero_gpt as hg
+import worker_faults
+from plumbing import worker as plumbing_worker
 
 CFG = hg.GPTConfig(block_size=16, vocab_size=300, n_layer=2, n_head=2, n_embd=32)
 B, T = 4, 16  # the GPU's microbatch; the worker runs it in calls of 2 sequences
 
 
 def spec(**kw):
-    return dict(cfg=dataclasses.asdict(CFG), B=2, T=T, max_batch=B, evaluator='eager', dtype='float32',
-                threads=1, programs=None) | kw
+    return dict(cfg=dataclasses.asdict(CFG), shapes={k: tuple(p.shape) for k, p in hg.gpt_param_shapes(CFG).items()},
+                B=2, T=T, max_batch=B, evaluator='eager', dtype='float32', threads=1, programs=None) | kw
 
 
 def batches(n, seed=0):
@@ -27,10 +28,10 @@ def batches(n, seed=0):
 def worker():
     made = []
 
-    def start(scaler=None, **kw):
+    def start(scaler=None, make=hg.ane_engine, **kw):
         timeouts = {k: kw.pop(k) for k in ('timeout_factor', 'min_timeout') if k in kw}
-        made.append(worker.WorkerEngine(spec(**kw), scaler or hg.LossScaler(1.0, 0, enabled=False),
-                                            log=lambda s: None, load_timeout=120, **timeouts))
+        made.append(plumbing_worker.WorkerEngine(spec(**kw), make, scaler or hg.LossScaler(1.0, 0, enabled=False),
+                                                 log=lambda s: None, load_timeout=120, **timeouts))
         return made[-1]
     yield start
     for w in made:
@@ -46,7 +47,7 @@ def test_worker_computes_what_the_engine_computes_here(worker):
     model = hg.GPT(CFG)
     params = dict(model.named_parameters())
     w = worker()
-    here = hg.CoreMLEngine(CFG, 2, T, worker.eager_predict(CFG, 2, T, torch.float32))
+    here = hg.ane_engine(spec())
     (idx, targets), = batches(1)
     for e in (w, here):
         e.load_weights(params)
@@ -86,7 +87,7 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     # microbatches makes: the same gradient to fp32 rounding of a sum in another order.
     torch.manual_seed(0)
     model = hg.GPT(CFG)
-    w = worker(predict=f'worker_faults:{fault}', fault_call=2 * 5 * 2 + 1, min_timeout=3, timeout_factor=1)
+    w = worker(make=getattr(worker_faults, fault), fault_call=2 * 5 * 2 + 1, min_timeout=3, timeout_factor=1)
     said_log = []
     engines = {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32), 'ane': w}
     step = hg.HeteroStep(model, engines, hg.Split(4, '0.5'), log=said_log.append,
@@ -108,7 +109,7 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
 
 def test_worker_that_cannot_start_is_one_clear_error(worker):
     with pytest.raises(hg.UserError, match='could not start.*no Neural Engine here.*--mode gpu'):
-        worker(predict='worker_faults:cannot_start')
+        worker(make=worker_faults.cannot_start)
 
 
 def test_shared_memory_that_cannot_be_allocated(monkeypatch):
@@ -119,10 +120,10 @@ def test_shared_memory_that_cannot_be_allocated(monkeypatch):
             raise OSError(28, 'No space left on device')
         made.append(real(create=create, size=size))
         return made[-1]
-    real = worker.shared_memory.SharedMemory
-    monkeypatch.setattr(worker.shared_memory, 'SharedMemory', fake)
+    real = plumbing_worker.shared_memory.SharedMemory
+    monkeypatch.setattr(plumbing_worker.shared_memory, 'SharedMemory', fake)
     with pytest.raises(hg.UserError, match='could not allocate .* MiB of shared memory .*No space left'):
-        worker.WorkerEngine(spec(), hg.LossScaler(1.0, 0, enabled=False))
+        plumbing_worker.WorkerEngine(spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
     for m in made:  # the blocks made before the failure are freed, none left behind
         assert not os.path.exists(f'/dev/shm/{m.name.lstrip("/")}')
 
@@ -135,7 +136,7 @@ def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
     hg.setup(cfg, given, log=lambda s: None)
     model, _, engines, step, _ = hg.build_run(cfg, torch.device('cpu'), torch.float32, 'hetero', log=lambda s: None)
     try:
-        assert isinstance(engines['ane'], worker.WorkerEngine) and 'float16' in engines['ane'].label
+        assert isinstance(engines['ane'], plumbing_worker.WorkerEngine) and 'float16' in engines['ane'].label
         assert engines['ane'].scaler.scale == 256.0
         out = step([tuple(torch.randint(0, 50, (8, 8)) for _ in range(2)) for _ in range(2)])
         assert out['used'] == ['ane', 'gpu']

@@ -1,36 +1,39 @@
-"""Evaluators for the ANE worker that fault on purpose (worker.make_engine's spec['predict']):
-each runs the eager derivation and faults at the program call numbered spec['fault_call']."""
+"""Builders of the ANE engine for its worker (plumbing/worker.py) that fault on purpose: each
+builds hetero_gpt's engine from the spec (the eager derivation) and faults at the program call
+numbered spec['fault_call']."""
 import os
 import signal
 import time
 
-from plumbing import worker
+import hetero_gpt as hg
 
 
-def _at_call(cfg, B, T, spec, fault):
-    inner, calls = worker.eager_predict(cfg, B, T, __import__('torch').float32), [0]
+def _at_call(spec, fault):
+    engine = hg.ane_engine(spec)
+    inner, calls = engine.predict, [0]
 
     def predict(piece, inputs):
         calls[0] += 1
         if calls[0] == spec['fault_call']:
             fault()
         return inner(piece, inputs)
-    return predict
+    engine.predict = predict
+    return engine
 
 
-def sigkill(cfg, B, T, spec):  # as a failed ANE compile does at its first predict
-    return _at_call(cfg, B, T, spec, lambda: os.kill(os.getpid(), signal.SIGKILL))
+def sigkill(spec):  # as a failed ANE compile does at its first predict
+    return _at_call(spec, lambda: os.kill(os.getpid(), signal.SIGKILL))
 
 
-def hang(cfg, B, T, spec):
-    return _at_call(cfg, B, T, spec, lambda: time.sleep(3600))
+def hang(spec):
+    return _at_call(spec, lambda: time.sleep(3600))
 
 
-def raises(cfg, B, T, spec):
+def raises(spec):
     def fault():
         raise RuntimeError("an evaluator's own error")
-    return _at_call(cfg, B, T, spec, fault)
+    return _at_call(spec, fault)
 
 
-def cannot_start(cfg, B, T, spec):
+def cannot_start(spec):
     raise RuntimeError("no Neural Engine here")

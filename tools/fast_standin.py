@@ -124,10 +124,12 @@ class CompiledOps(hg.TorchOps):
 
 
 class FastEagerEngine(hg.EagerEngine):
-    fused_kernels = compile = False  # set by main from its flags
+    fused_kernels = compile = False  # install() sets them from the run's flags
 
-    def __init__(self, cfg, device, dtype, scaler):
+    def __init__(self, cfg, device, dtype, scaler, fused_kernels=None, compile=None):
         super().__init__(cfg, device, dtype, scaler)
+        self.fused_kernels = self.fused_kernels if fused_kernels is None else fused_kernels
+        self.compile = self.compile if compile is None else compile
         # the fused pieces hold vjp functions in their caches, which torch.compile cannot
         # return from a compiled piece: with fused kernels the derivation runs uncompiled
         ops = FusedOps if self.fused_kernels else CompiledOps if self.compile else hg.TorchOps
