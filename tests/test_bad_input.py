@@ -73,12 +73,12 @@ def test_bad_settings_are_refused_before_anything_is_written(data_dir, tmp_path,
 def test_settings_that_do_not_apply_are_named_once(capsys):
     said = []
     cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'gpu', '--ane_programs', 'x',
-                                '--ane_fraction', '0.5', '--loss_scale', '8', '--fused_kernels', '--ane_batch_size', '2'])
+                                '--ane_fraction', '0.5', '--loss_scale', '8', '--ane_evaluator', 'numpy', '--ane_batch_size', '2'])
     hg.setup(cfg, given, log=said.append)
     moot = [s for s in said if s.startswith('not used')]
     assert len(moot) == 1 and all(f in moot[0] for f in ('--ane_programs', '--ane_fraction', '--loss_scale',
                                                          '--ane_batch_size'))
-    assert ('--fused_kernels' in moot[0]) and ('no fp16 engine' in moot[0])
+    assert ('--ane_evaluator' in moot[0]) and ('no fp16 engine' in moot[0])
     said.clear()
     cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_loss_scale', '8'])
     hg.setup(cfg, given, log=said.append)  # the fp16 stand-in uses its loss scale: nothing to say
@@ -86,10 +86,10 @@ def test_settings_that_do_not_apply_are_named_once(capsys):
     cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--loss_scale', '8'])
     hg.setup(cfg, given, log=said.append)  # --loss_scale is the GPU engine's, which mode ane has not
     assert [s for s in said if s.startswith('not used') and '--loss_scale' in s]
-    said.clear()  # the worker runs the eager stand-in: no programs to export, no fused kernels
-    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_programs', 'x', '--fused_kernels'])
+    said.clear()  # the worker runs the eager stand-in: no programs to export, no GPU model to compile
+    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_programs', 'x', '--compile'])
     hg.setup(cfg, given, log=said.append)
-    assert [s for s in said if s.startswith('not used') and '--ane_programs' in s and '--fused_kernels' in s]
+    assert [s for s in said if s.startswith('not used') and '--ane_programs' in s and '--compile' in s]
     with pytest.raises(hg.UserError, match='--ane_batch_size 3 must divide --batch_size 8'):
         hg.setup(*hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_batch_size', '3']))
     with pytest.raises(hg.UserError, match='--ane_evaluator'):
@@ -131,7 +131,7 @@ def test_export_refuses_bad_shapes_and_paths_it_did_not_make(tmp_path, capsys):
     folder.mkdir()
     (folder / 'keep').write_text('mine too')
     before = files(tmp_path)
-    for flags, words in ((['--microbatch', '0'], '--microbatch'), (['--seq_len', '-3'], '--seq_len'),
+    for flags, words in ((['--ane_batch_size', '-1'], '--ane_batch_size'), (['--block_size', '-3'], 'at least 1'),
                          (['--out', str(mine)], 'refusing to overwrite'), (['--out', str(folder)], 'refusing')):
         out = [] if '--out' in flags else ['--out', str(tmp_path / 'new.mlpackage')]
         assert export_ane.main(model + flags + out) == 2

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tools import ane_check
+from plumbing import memory
 from plumbing import settings
 
 pytest.importorskip('coremltools')
@@ -119,7 +119,7 @@ def test_a_failed_neural_engine_compile(shakespeare, tmp_path, fail):
 
 def test_the_self_check_every_stage_passes_and_reuses_the_cache(tmp_path):
     check = [os.path.join(ROOT, 'export_ane.py'), '--check', *TINY, '--vocab_size', '512', '--gpu_batch', '2',
-             '--microbatch', '2']
+             '--ane_batch_size', '2']
     r = mac(check, tmp_path)
     doc = json.load(open(tmp_path / 'ane_check.json'))
     status = {s['name']: s['status'] for s in doc['stages']}
@@ -158,6 +158,7 @@ def test_bench(shakespeare, tmp_path):
 
 CACHE = """
 import os, export_ane, hetero_gpt as hg
+from plumbing import programs
 export_ane.export_programs(hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200), 2, 32, 'p')
 path, cached = programs.compiled_model('p', 'head')
 assert not cached and os.path.isfile(os.path.join(path, 'DONE')) and path.endswith('.mlmodelc')
@@ -186,6 +187,7 @@ def test_compile_cache(tmp_path):
 
 RELEASE = """
 import sys, time, numpy as np, export_ane, hetero_gpt as hg, coremltools as ct
+from plumbing import programs
 cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200)
 export_ane.export_programs(cfg, 2, 32, 'p')
 m = ct.models.CompiledMLModel(programs.compiled_model('p', 'head')[0], compute_units=ct.ComputeUnit.CPU_AND_NE)
@@ -216,6 +218,7 @@ def test_core_ml_releases_its_inputs_late(tmp_path, misuse):
 
 PLACEMENT = """
 import sys, export_ane, hetero_gpt as hg
+from plumbing import programs
 export_ane.export_programs(hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200), 2, 32, 'p')
 print(programs.macos_placement(programs.compiled_model('p', 'head')[0]))
 """
@@ -256,9 +259,8 @@ def test_the_energy_meter_against_powermetrics(tmp_path):
     # 13.5 W in all, GPU counted once; closing stops the root powermetrics too (SIGTERM
     # through sudo); without sudo rights it fails at once, not after a timeout
     code = """
-import time, energy
-from plumbing import programs
-from plumbing import memory
+import time
+from plumbing import energy
 m = energy.PowermetricsMeter()
 j0, t0 = m.joules(), time.perf_counter()
 time.sleep(7.2)
@@ -272,7 +274,7 @@ m.close()
     time.sleep(1)
     assert not [f for f in os.listdir(tmp_path) if f.startswith('powermetrics.')]  # none left running
     t0 = time.monotonic()
-    r = mac(['-c', 'import energy; energy.PowermetricsMeter()'], tmp_path, sudo=0)
+    r = mac(['-c', 'from plumbing import energy; energy.PowermetricsMeter()'], tmp_path, sudo=0)
     assert 'powermetrics gave no samples (sudo: a password is required)' in r.stderr and time.monotonic() - t0 < 8
 
 
@@ -292,8 +294,8 @@ def test_mps_limits_refused_in_one_line():
 def test_memory_estimate_counts_attention_on_mps():
     import hetero_gpt as hg
     cfg = hg.Config(**hg.MAC_DEFAULTS)
-    mps = memory.memory_estimate(cfg, 'hetero', torch.device('mps'), torch.float32)
-    cpu = memory.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32)
+    mps = memory.memory_estimate(cfg, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(cfg))
+    cpu = memory.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg))
     B, T, H, L = cfg.batch_size, cfg.block_size, cfg.n_head, cfg.n_layer
     assert mps['gpu_attention'] == 4 * L * B * H * T * T  # (B, H, T, T) fp32 per layer
     assert mps['total'] - cpu['total'] == mps['gpu_attention']

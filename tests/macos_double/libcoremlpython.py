@@ -5,7 +5,7 @@ CoreMLPythonUtils.mm in apple/coremltools, tags 8.3 and 9.0). Its classes and me
 the ones PYBIND11_PLUGIN(libcoremlpython) declares; each behaviour cites what it follows.
 coremltools' Python (CompiledMLModel, MLModel, utils.compile_model, compute_plan) runs
 above it unchanged. Core ML itself is imitated by the project's NumPy evaluator of MIL
-programs, in its ANE mode (export_ane.numpy_predict(ane=True)); CPU_ONLY runs it plainly.
+programs, in its ANE mode (plumbing.programs.numpy_predict(ane=True)); CPU_ONLY runs it plainly.
 """
 import collections
 import os
@@ -144,8 +144,8 @@ class _MLModelProxy:
         if on_ane and os.environ.get('MACOS_DOUBLE_FAIL') == 'load':
             raise _nserror(f"Failed to build the model execution plan for the Neural Engine using {self.compiled}: "
                            "the ANE compiler service failed (the double's MACOS_DOUBLE_FAIL=load)")
-        import export_ane  # the project's NumPy evaluator stands for Core ML's execution
-        self.run = export_ane.numpy_predict(self.program, ane=on_ane)
+        from plumbing import programs  # the project's NumPy evaluator stands for Core ML's execution
+        self.run = programs.numpy_predict(self.program, ane=on_ane)
         self.load_ns = time.perf_counter_ns() - t0
         _note('load', self.compiled, compute_units)
 
