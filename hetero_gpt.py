@@ -21,8 +21,6 @@ engines, 6 the concurrent step, 7 the training loop. The files this one uses sit
 plumbing/ and never import it; tools/ holds what extends it (tools/fast_standin.py: the
 stand-in's speed off a Mac).
 """
-import atexit
-import collections
 import contextlib
 import dataclasses
 import json
@@ -793,31 +791,6 @@ def build_coreml_program(cfg, B, T, piece='step'):
     return mil_program(fn, piece_input_shapes(cfg, B, T, piece))
 
 
-HELD = collections.deque()  # [when the call returned, the inputs of one Core ML call]
-
-
-def coreml_predict(model, inputs):
-    """model.predict(inputs) through fresh views of the arrays, each held here until 10 s after
-    its call. Core ML drops its reference to its inputs about a second after a call, on its own
-    queue and without the GIL (coreml_and_ane.md section 1; coremltools PRs #2827, #2829):
-    these views are objects whose reference counts nothing else changes meanwhile, and which
-    it never frees."""
-    while HELD and HELD[0][0] < time.monotonic() - 10:
-        HELD.popleft()
-    entry = [math.inf, {k: v[...] for k, v in inputs.items()}]
-    HELD.append(entry)
-    try:
-        return model.predict(entry[1])
-    finally:
-        entry[0] = time.monotonic()
-
-
-@atexit.register
-def _outlive_core_ml():  # the last calls' inputs are freed at exit: after Core ML's release
-    if HELD:
-        time.sleep(max(0.0, HELD[-1][0] + 2 - time.monotonic()))
-
-
 def coreml_predict_fn(path, pieces):
     """THE macOS SEAM: predict(piece, inputs) -> outputs, by Core ML on CPU + Neural Engine,
     each program compiled once into a cache beside it (programs.load_compiled: loading an
@@ -834,7 +807,7 @@ def coreml_predict_fn(path, pieces):
                 compiled, compute_units=ct.ComputeUnit.CPU_AND_NE))
         except Exception as e:  # a compile or load that failed: named, in one line
             raise UserError(f"Core ML could not compile or load the program {piece} ({settings.one_line(e)})") from None
-    return lambda piece, inputs: coreml_predict(models[piece], inputs)
+    return lambda piece, inputs: programs.coreml_predict(models[piece], inputs)
 
 
 class Engine:

@@ -9,14 +9,17 @@ nothing here knows GPT-2. Each program is an .mlpackage in one folder with heter
     <folder>/heterogpt.json            format, ane_batch_size, seq_len, pieces, the model's sizes
     <folder>/compiled/<piece>-<hash>.mlmodelc   Core ML's compiled programs (macOS)
 """
+import atexit
 import collections
 import dataclasses
 import gc
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
+import time
 
 import numpy as np
 
@@ -274,6 +277,31 @@ def load_compiled(programs, piece, load):
             raise
         shutil.rmtree(path, ignore_errors=True)
         return load(compiled_model(programs, piece)[0])
+
+
+HELD = collections.deque()  # [when the call returned, the inputs of one Core ML call]
+
+
+def coreml_predict(model, inputs):
+    """model.predict(inputs) through fresh views of the arrays, each held here until 10 s after
+    its call. Core ML drops its reference to its inputs about a second after a call, on its own
+    queue and without the GIL (coreml_and_ane.md section 1; coremltools PRs #2827, #2829):
+    these views are objects whose reference counts nothing else changes meanwhile, and which
+    it never frees."""
+    while HELD and HELD[0][0] < time.monotonic() - 10:
+        HELD.popleft()
+    entry = [math.inf, {k: v[...] for k, v in inputs.items()}]
+    HELD.append(entry)
+    try:
+        return model.predict(entry[1])
+    finally:
+        entry[0] = time.monotonic()
+
+
+@atexit.register
+def _outlive_core_ml():  # the last calls' inputs are freed at exit: after Core ML's release
+    if HELD:
+        time.sleep(max(0.0, HELD[-1][0] + 2 - time.monotonic()))
 
 
 def load_coreml_program(path):

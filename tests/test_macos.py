@@ -194,7 +194,7 @@ m = ct.models.CompiledMLModel(programs.compiled_model('p', 'head')[0], compute_u
 inputs = lambda: {k: np.zeros(s, np.float32) for k, s in hg.piece_input_shapes(cfg, 2, 32, 'head').items()}
 kept = inputs()
 for _ in range(3):
-    hg.coreml_predict(m, kept)  # the same buffers, through fresh views each call
+    programs.coreml_predict(m, kept)  # the same buffers, through fresh views each call
 time.sleep(1.5)
 print('views: ok', flush=True)
 if sys.argv[1] == 'temporary':

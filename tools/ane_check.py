@@ -25,7 +25,7 @@ import torch
 
 import hetero_gpt as hg  # defines: the model, its derivation, build_coreml_program, ane_engine
 from plumbing import memory  # defines: memory_estimate, total_memory
-from plumbing import programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
+from plumbing import programs as coreml_programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
 from plumbing import settings  # defines: one_line, check_coreml, import_coremltools
 from plumbing import worker  # defines: WorkerEngine, exit_text
 
@@ -232,9 +232,9 @@ def probes(ctx):
                                minimum_deployment_target=ct.target.macOS13, skip_model_load=True)
             model.save(path)
             m = ct.models.MLModel(path, compute_units=ct.ComputeUnit.CPU_AND_NE)
-            y = hg.coreml_predict(m, inputs)['y']
+            y = coreml_programs.coreml_predict(m, inputs)['y']
             rec = dict(ms=m.last_predict_duration_in_nano_seconds / 1e6, finite=bool(np.isfinite(y).all()),
-                       placement=programs.macos_placement(m.get_compiled_model_path()))
+                       placement=coreml_programs.macos_placement(m.get_compiled_model_path()))
             if name.startswith('long sum'):
                 exact = inputs['x'].astype(np.float64).sum(0)
                 rec['relative_error'] = float(np.abs(y.reshape(-1) - exact).max() / np.abs(exact).max())
@@ -252,14 +252,14 @@ def programs(ctx):
     cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
     meta = None
     try:
-        meta = programs.read_meta(ctx['out'])
+        meta = coreml_programs.read_meta(ctx['out'])
     except hg.UserError:
         pass
     t0 = time.perf_counter()
-    if meta != programs.meta(cfg, B, T, hg.ANE_PIECES):
-        programs.export_programs(cfg, B, T, ctx['out'], hg.build_coreml_program, hg.ANE_PIECES)
-    reports = {p: programs.program_report(programs.load_coreml_program(programs.program_path(ctx['out'], p)))
-               for p in hg.ANE_PIECES}
+    if meta != coreml_programs.meta(cfg, B, T, hg.ANE_PIECES):
+        coreml_programs.export_programs(cfg, B, T, ctx['out'], hg.build_coreml_program, hg.ANE_PIECES)
+    read = lambda p: coreml_programs.load_coreml_program(coreml_programs.program_path(ctx['out'], p))
+    reports = {p: coreml_programs.program_report(read(p)) for p in hg.ANE_PIECES}
     st = step_report(reports, cfg, B, T)
     return dict(seconds=round(time.perf_counter() - t0, 2), ops=sum(r['ops'] for r in reports.values()),
                 live_mib=round(st['live_bytes'] / 2**20), largest_dim=st['largest_dim'],
@@ -278,9 +278,9 @@ def coreml(ctx):
     out = {}
     for piece in hg.ANE_PIECES:
         t0 = time.perf_counter()
-        compiled, cached = programs.compiled_model(ctx['out'], piece)
+        compiled, cached = coreml_programs.compiled_model(ctx['out'], piece)
         rec = dict(cached=cached, compile_s=round(time.perf_counter() - t0, 2),
-                   placement=programs.macos_placement(compiled))
+                   placement=coreml_programs.macos_placement(compiled))
         inputs = {k: (np.random.default_rng(0).standard_normal(s) * 0.1).astype(np.float32)
                   for k, s in hg.piece_input_shapes(cfg, B, T, piece).items()}
         for units in ('CPU_AND_NE', 'CPU_ONLY'):
@@ -288,11 +288,11 @@ def coreml(ctx):
             m = ct.models.CompiledMLModel(compiled, compute_units=getattr(ct.ComputeUnit, units))
             if units == 'CPU_AND_NE':
                 rec['load_s'] = round(time.perf_counter() - t0, 2)
-            hg.coreml_predict(m, inputs)  # the first call may still specialize
+            coreml_programs.coreml_predict(m, inputs)  # the first call may still specialize
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                hg.coreml_predict(m, inputs)
+                coreml_programs.coreml_predict(m, inputs)
                 times.append(time.perf_counter() - t0)
             rec[f'{units}_ms'] = round(1e3 * float(np.median(times)), 2)
         out[piece] = rec
