@@ -83,7 +83,7 @@ def main(argv=None):
         if a.check:  # the programs are exported by its own stage, in a process of their own
             return ane_check.main(cfg, B, T, a.out, a.gpu_batch or mac.batch_size, a.check_report, a.stage_timeout,
                                   a.stages)
-        hg.check_ane_shapes(cfg, B, T)
+        programs.check_shapes(B, T, cfg.block_size)
         t0 = time.perf_counter()
         reports = export_programs(cfg, B, T, a.out, a.whole_step)
         print(f"saved {a.out} ({cfg}, {B}x{T} tokens a call) in {time.perf_counter() - t0:.1f} s")

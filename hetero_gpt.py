@@ -15,11 +15,10 @@ programs but has no autograd. So this file:
 Off a Mac the "ANE" engine is the same derivation run eagerly by PyTorch in fp16: the
 ANE's arithmetic without the ANE. Everything macOS-only sits behind `coreml_predict_fn`.
 
-Sections, in the order data flows: 1 config, 2 model, 3 the hand-derived forward and
-backward and its PyTorch backend, 4 the Core ML program and its engine, 5 the PyTorch
-engines, 6 the concurrent step, 7 the training loop. The files this one uses sit in
-plumbing/ and never import it; tools/ holds what extends it (tools/fast_standin.py: the
-stand-in's speed off a Mac).
+Sections, in the order data flows: 1 config, 2 model, 3 the hand-derived step and its
+PyTorch backend, 4 the Core ML programs and their engine, 5 the PyTorch engines, 6 the
+concurrent step, 7 the training loop. plumbing/ holds what this file uses (it never imports
+this file); tools/ holds what extends it.
 """
 import contextlib
 import dataclasses
@@ -117,13 +116,11 @@ class Config(GPTConfig):
     dist_timeout: float = setting(600.0, "under torchrun, seconds a rank waits for the others before it stops the run")
 
 
-# What the default run becomes on a machine with no accelerator, for settings the user
-# did not give: a model small enough that a 2-core CPU shows progress within a minute.
+# Without an accelerator, settings not given take these: a 2-core CPU shows progress in a minute.
 CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8,
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
-# On a Mac: 32 sequences a step in microbatches of 2, so that GPT-2 124M in hetero mode
-# fits a 16 GB Mac (plumbing/memory.py estimates it); a larger Mac can raise it.
+# On a Mac: 32 sequences a step in microbatches of 2, so that a 16 GB Mac holds GPT-2 124M.
 MAC_DEFAULTS = dict(batch_size=2, gradient_accumulation_steps=16)
 
 
@@ -515,7 +512,8 @@ def vocab_chunks(V):
 def model_sizes(cfg):
     """(parameters, the tied LM head once; vocabulary rows, padded as the ANE's head takes them)."""
     rows, spans = vocab_chunks(cfg.vocab_size)
-    return sum(p.numel() for k, p in gpt_param_shapes(model_config(cfg)).items() if k != 'lm_head.weight'), rows * len(spans)
+    shapes = gpt_param_shapes(model_config(cfg))
+    return sum(p.numel() for k, p in shapes.items() if k != 'lm_head.weight'), rows * len(spans)
 
 
 def dense_input_shapes(cfg, B, T):
@@ -572,9 +570,8 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
                 grads[f'transformer.h.{l}.{name}'] = g[f'h{l}_{k}']
             elif f'h{l}_{k}' in g and third == 0:
                 grads[f'transformer.h.{l}.{name}'] = torch.cat([g[f'h{l}_{k[0]}{c}'] for c in 'qkv'], 0)
-    if loss_scale != 1.0:
-        for g in grads.values():
-            g.div_(float(loss_scale))
+    for v in grads.values() if loss_scale != 1.0 else ():
+        v.div_(float(loss_scale))
     return grads
 
 
@@ -607,18 +604,17 @@ def grads_finite(grads):
 # -----------------------------------------------------------------------------
 # 4. The Core ML programs: the same derivation, recorded by coremltools' MIL builder.
 #
-# MILOps' ops add ops to a MIL program instead of computing. A whole-model program takes the
-# ANE compiler tens of minutes or fails, where one block compiles in about a second (coreml_and_ane.md
-# section 1). So the step is three programs, chained by the host (CoreMLEngine), each compiled
-# once for every layer (the blocks share shapes; their weights are inputs):
+# MILOps' ops add ops to a MIL program instead of computing. A whole-model program compiles
+# for tens of minutes or fails, one block in a second (coreml_and_ane.md section 1). So the
+# step is three programs, chained by the host (CoreMLEngine), each compiled once for all
+# layers (the blocks share shapes; their weights are inputs):
 #   block_forward   x, the block's weights                -> y                 (L calls)
 #   head            x_L, ln_f, vocabulary chunks, target rows, loss scale
 #                                                          -> loss, d_x, d_<its weights>
 #   block_backward  x, dy, the block's weights            -> d_x, d_<weights>   (L calls)
-# block_backward recomputes its block's forward from x: 18% more FLOPs a step, where the
-# forward's cache (12NC + HT^2 values a block) would cross the host twice as fp32
-# (coreml_and_ane.md section 1). Opset macOS13: fp16 in and out.
-# 'step', the whole step as one program, can still be exported (--whole_step), to compare.
+# block_backward recomputes its block's forward from x: the forward's cache would cross the
+# host twice, as fp32 (coreml_and_ane.md section 1). Opset macOS13: fp16 in and out.
+# 'step', the whole step as one program, can be exported to compare (--whole_step).
 ANE_PIECES = ('block_forward', 'head', 'block_backward')
 
 
@@ -664,11 +660,9 @@ class MILOps(Derivation):
         return self.products[-1]
 
     def peaks(self, outputs):
-        """{'peak_i': the largest |value| of a matmul result}, one for each result the outputs
-        depend on that is not an output itself. The ANE's matmuls saturate near 32752 instead of
-        giving inf (coreml_and_ane.md section 2), and a saturated value can vanish (in a
-        softmax, behind a small weight) before any output shows it. The host reads every
-        output's largest value; two ops per result, no chain of tiny ops between them."""
+        """{'peak_i': the largest |value| of each matmul result the outputs depend on}. The
+        ANE's matmuls saturate near 32752 instead of giving inf (coreml_and_ane.md section 2),
+        and a saturated value can vanish (in a softmax) before any output shows it."""
         live, todo = set(), [o.v for o in outputs]
         while todo:  # the variables the outputs depend on (the rest is dead and removed)
             v = todo.pop()
@@ -691,10 +685,9 @@ class MILOps(Derivation):
 
     def maximum(self, a, b): return a._bin('maximum', b)
 
-    # For the ANE's fp16, the math unchanged: its reduce_sum accumulates in fp16, its matmul
-    # wide (coreml_and_ane.md section 2), so a sum over an axis is a matmul with a constant vector c:
-    # x @ c over the last axis, c^T x over the rows of an (N, C) matrix (axis 0). c = 1 sums;
-    # c = 1/n means inside the wide sum: no mean passes through a sum out of range (768 x 1000).
+    # The ANE's reduce_sum accumulates in fp16, its matmul wide (coreml_and_ane.md section 2).
+    # So a sum is a matmul with a constant vector c: x @ c over the last axis, c^T x over rows.
+    # c = 1 sums; c = 1/n means, inside the wide sum, so no partial sum leaves fp16's range.
     def _dot(self, x, axis, c):
         n = x.shape[axis]
         vec = MILTensor(self.mb.const(val=np.full((1, n) if axis == 0 else (n, 1), c, np.float16)))
@@ -707,11 +700,10 @@ class MILOps(Derivation):
     def mean(self, x, axis): return self._dot(x, axis, 1.0 / x.shape[axis])
 
     def layernorm_forward(self, x, w, b, eps=1e-5):
-        # fp16 squares overflow past 256 (256^2 > 65504), and GPT-2's residual rows grow past
-        # that (coreml_and_ane.md section 2): each row is divided by s, its largest |xc| (at least
-        # 2^-14, fp16's smallest normal, so a constant row gives 0, not 0/0), before squaring.
-        # With xs = xc/s: var = s^2 mean(xs^2), so xhat = xs r, r = rsqrt(mean(xs^2) + e^2) with
-        # e = sqrt(eps)/s (eps/s^2 as a square: 1/s^2 would overflow for small s), rstd = r/s.
+        # fp16 squares overflow past 256, and GPT-2's residual rows grow past that
+        # (coreml_and_ane.md section 2). So each row is divided by s = max |xc| first
+        # (at least 2^-14, so a constant row gives 0, not 0/0).
+        # xs = xc/s: xhat = xs r, r = rsqrt(mean(xs^2) + e^2), e = sqrt(eps)/s; rstd = r/s.
         # The cache is the derivation's (xhat, rstd): its layernorm_backward serves unchanged.
         xc = x - self.mean(x, -1)
         s = self.maximum(self.max(self._u('abs', xc), -1), 2.0 ** -14)
@@ -725,16 +717,6 @@ class MILOps(Derivation):
 
     def pad_mask(self, n, valid):
         return MILTensor(self.mb.const(val=np.where(np.arange(n) < valid, 0, -1e4).astype(np.float16)))
-
-
-def check_ane_shapes(cfg, B, T):
-    if B < 1 or T < 1:
-        raise UserError(f"ANE calls of {B}x{T} tokens (--ane_batch_size x --block_size): both must be at least 1")
-    if B * T > ANE_MAX_DIM:
-        raise UserError(f"ANE calls of {B}x{T} = {B * T} tokens: the ANE program keeps tokens on one axis, "
-                        f"which must be at most {ANE_MAX_DIM}; use a smaller --ane_batch_size")
-    if T > cfg.block_size:
-        raise UserError(f"sequence length {T} is longer than block_size {cfg.block_size}")
 
 
 def piece_input_shapes(cfg, B, T, piece):
@@ -783,7 +765,7 @@ def mil_program(fn, shapes):
 def build_coreml_program(cfg, B, T, piece='step'):
     """run_piece(MILOps) as a MIL Program: fp16 inputs piece_input_shapes(cfg, B, T, piece),
     fp16 outputs by run_piece's names, and the peaks (MILOps.peaks)."""
-    check_ane_shapes(cfg, B, T)
+    programs.check_shapes(B, T, cfg.block_size)
 
     def fn(ops, **inp):
         out = run_piece(ops, cfg, B, T, piece, inp)
@@ -828,7 +810,7 @@ class CoreMLEngine(Engine):
     device = torch.device('cpu')
 
     def __init__(self, cfg, B, T, predict, pieces=ANE_PIECES, scaler=None, label='Core ML'):
-        check_ane_shapes(cfg, B, T)
+        programs.check_shapes(B, T, cfg.block_size)
         self.cfg, self.B, self.T, self.predict, self.pieces = cfg, B, T, predict, tuple(pieces)
         self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
         self.label, self.shapes = label, {k: tuple(p.shape) for k, p in gpt_param_shapes(cfg).items()}
@@ -1232,22 +1214,16 @@ def ane_spec(cfg, dtype, log=print):
 
 def ane_engine(spec, scaler=None):
     """The ANE engine a spec describes: a CoreMLEngine on the programs in spec['programs'] (Core
-    ML on a Mac, the NumPy evaluator elsewhere), or with evaluator 'eager' on the derivation
-    run by PyTorch on the CPU. Built here, or in the worker process, which calls this function."""
-    if spec.get('programs'):
-        meta = programs.read_meta(spec['programs'])
-        cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
-        label = f"Core ML programs {spec['programs']}" + ('' if ON_MAC else ' (NumPy evaluator)')
-        return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'],
-                            coreml_predict_fn(spec['programs'], meta['pieces']), meta['pieces'], scaler, label)
-    cfg, B, T = GPTConfig(**spec['cfg']), spec['B'], spec['T']
-    ops = TorchOps(getattr(torch, spec['dtype']), 'cpu')
-
-    @torch.no_grad()
-    def predict(piece, inputs):
-        out = run_piece(ops, cfg, B, T, piece, {k: torch.from_numpy(v).to(ops.dtype) for k, v in inputs.items()})
-        return {k: v.float().numpy() for k, v in out.items()}
-    return CoreMLEngine(cfg, B, T, predict, scaler=scaler, label=f"eager derivation on cpu ({spec['dtype']})")
+    ML on a Mac, the NumPy evaluator elsewhere), else the eager derivation on the CPU. Built
+    here, or in the worker process, which calls this function with the spec."""
+    scaler = scaler or LossScaler(1.0, 0, enabled=False)
+    if not spec.get('programs'):
+        return EagerEngine(GPTConfig(**spec['cfg']), torch.device('cpu'), getattr(torch, spec['dtype']), scaler)
+    meta = programs.read_meta(spec['programs'])
+    cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
+    label = f"Core ML programs {spec['programs']}" + ('' if ON_MAC else ' (NumPy evaluator)')
+    return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'],
+                        coreml_predict_fn(spec['programs'], meta['pieces']), meta['pieces'], scaler, label)
 
 
 def build_engines(cfg, model, device, dtype, mode, log=print):
@@ -1261,13 +1237,9 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         ane_dtype = torch.float16 if ON_MAC else settings.resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
         scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=ane_dtype == torch.float16,
                             limit=ANE_OVERFLOW / 2)
-        if in_worker:  # out of this process's GIL: all cores but one for the thread that feeds
-            # the GPU, or half of them when the GPU engine is on the CPU too
-            threads = max(1, CPU_THREADS // 2 if device.type == 'cpu' else CPU_THREADS - 1)
-            if device.type == 'cpu':
-                torch.set_num_threads(max(1, CPU_THREADS - threads))
-            engines['ane'] = worker.WorkerEngine(ane_spec(cfg, ane_dtype, log) | dict(threads=threads), ane_engine,
-                                                 scaler, log, load_timeout=cfg.ane_load_timeout)
+        if in_worker:  # out of this process's GIL
+            spec = ane_spec(cfg, ane_dtype, log) | dict(threads=worker.share_cores(device.type == 'cpu'))
+            engines['ane'] = worker.WorkerEngine(spec, ane_engine, scaler, log, load_timeout=cfg.ane_load_timeout)
         elif ON_MAC or cfg.ane_evaluator == 'numpy':  # the programs in this process (on a Mac: GIL-bound)
             engines['ane'] = ane_engine(ane_spec(cfg, ane_dtype, log), scaler)
         else:
@@ -1320,9 +1292,8 @@ def train(cfg, given=frozenset()):
 
     def checkpoint():
         if rank == 0:
-            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines,
-                                                                 iter_num=it, tokens=tokens, elapsed=elapsed,
-                                                                 best_val_loss=best_val))
+            counters = dict(iter_num=it, tokens=tokens, elapsed=elapsed, best_val_loss=best_val)
+            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines, **counters))
 
     n_params = sum(p.numel() for p in model.parameters())
     print(f"GPT-2 {n_params / 1e6:.2f}M parameters | mode {cfg.mode} | "

@@ -42,6 +42,18 @@ OFF_ANE_OPS = {'gather', 'gather_nd', 'gather_along_axis', 'scatter', 'scatter_n
 ELEMENTWISE_FLOPS = {'softmax': 5}  # max, subtract, exp, sum, divide per element
 
 
+def check_shapes(B, T, block_size):
+    """Calls of B sequences of T tokens: the tokens on one axis, within the ANE's largest dimension."""
+    if B < 1 or T < 1:
+        raise UserError(f"ANE calls of {B}x{T} tokens (--ane_batch_size x --block_size): both must be at least 1")
+    if B * T > ANE_MAX_DIM:
+        raise UserError(f"ANE calls of {B}x{T} = {B * T} tokens: the ANE program keeps tokens on one axis, "
+                        f"which must be at most {ANE_MAX_DIM}; use a smaller --ane_batch_size")
+    if T > block_size:
+        raise UserError(f"sequence length {T} is longer than block_size {block_size}")
+
+
+
 def op_flops(op):
     """FLOPs of one MIL op: 2*M*K*N for matmul, one per element processed otherwise."""
     if op.op_type == 'const':

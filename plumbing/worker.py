@@ -89,6 +89,18 @@ class Buffers:
         self.shm = {}
 
 
+CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per core
+
+
+def share_cores(gpu_on_cpu):
+    """The worker's CPU threads: all cores but one for the thread that feeds the GPU, or half
+    of them when the GPU engine is on the CPU too (this process then keeps the other half)."""
+    threads = max(1, CPU_THREADS // 2 if gpu_on_cpu else CPU_THREADS - 1)
+    if gpu_on_cpu:
+        torch.set_num_threads(max(1, CPU_THREADS - threads))
+    return threads
+
+
 def serve(conn, names, spec, make):
     """The worker's loop: ('run', b, loss scale, new weights?) -> ('done', loss, peak, seconds)."""
     try:

@@ -11,7 +11,7 @@ import worker_faults
 from plumbing import worker as plumbing_worker
 
 CFG = hg.GPTConfig(block_size=16, vocab_size=300, n_layer=2, n_head=2, n_embd=32)
-B, T = 4, 16  # the GPU's microbatch; the worker runs it in calls of 2 sequences
+B, T = 4, 16  # the microbatch
 
 
 def spec(**kw):
@@ -39,7 +39,7 @@ def worker():
 
 
 def test_worker_computes_what_the_engine_computes_here(worker):
-    # The same chain of programs (the eager stand-in, fp32) in the worker and in this
+    # The eager derivation (fp32) in the worker and in this
     # process: the same arithmetic on the same inputs, so equal to fp32 rounding (the
     # worker's thread count may order a sum otherwise: 1e-5 relative); and both against
     # fp64 autograd by direction (cosine >= 0.9999: fp32).
@@ -80,14 +80,14 @@ def test_weights_are_sent_once_per_step(worker, monkeypatch):
 @pytest.mark.parametrize('fault,said', [('sigkill', 'killed by SIGKILL'), ('hang', 'did not finish'),
                                         ('raises', "raised while computing 4 sequences: RuntimeError: an evaluator's")])
 def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
-    # Step 1 runs on both engines. In step 2 the worker faults at its first program call
-    # (the 1st of 2L+1 = 5 per call of 2 sequences, 2 calls per microbatch: call 21). The
+    # Step 1 runs on both engines. In step 2 the worker faults at its first call (each
+    # engine gets 2 of the 4 microbatches a step: the worker's call 3). The
     # ANE engine is retired with a message that says what happened, the GPU engine runs the
     # ANE's share too, and the update is the one a GPU-only step over the same 4
     # microbatches makes: the same gradient to fp32 rounding of a sum in another order.
     torch.manual_seed(0)
     model = hg.GPT(CFG)
-    w = worker(make=getattr(worker_faults, fault), fault_call=2 * 5 * 2 + 1, min_timeout=3, timeout_factor=1)
+    w = worker(make=getattr(worker_faults, fault), fault_call=3, min_timeout=3, timeout_factor=1)
     said_log = []
     engines = {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32), 'ane': w}
     step = hg.HeteroStep(model, engines, hg.Split(4, '0.5'), log=said_log.append,

@@ -1,6 +1,6 @@
 """Builders of the ANE engine for its worker (plumbing/worker.py) that fault on purpose: each
-builds hetero_gpt's engine from the spec (the eager derivation) and faults at the program call
-numbered spec['fault_call']."""
+builds hetero_gpt's engine from the spec (the eager derivation) and faults at its call of
+loss_and_grads numbered spec['fault_call']."""
 import os
 import signal
 import time
@@ -10,14 +10,14 @@ import hetero_gpt as hg
 
 def _at_call(spec, fault):
     engine = hg.ane_engine(spec)
-    inner, calls = engine.predict, [0]
+    inner, calls = engine.loss_and_grads, [0]
 
-    def predict(piece, inputs):
+    def loss_and_grads(idx, targets):
         calls[0] += 1
         if calls[0] == spec['fault_call']:
             fault()
-        return inner(piece, inputs)
-    engine.predict = predict
+        return inner(idx, targets)
+    engine.loss_and_grads = loss_and_grads
     return engine
 
 
