@@ -464,8 +464,7 @@ class Derivation:
 
 class TorchOps(Derivation):
     """PyTorch backend of the derivation: eager, no autograd, any device and dtype."""
-    # Eager PyTorch keeps every cached tensor until the backward: the (B, H, T, T) attention
-    # probabilities would be the largest (fp32: 16 bytes per token, head and position).
+    # eager PyTorch keeps every cached tensor until the backward; (B, H, T, T) is the largest
     recompute_attention = True
 
     def __init__(self, dtype, device):
@@ -494,11 +493,8 @@ class TorchOps(Derivation):
         # out at 65504 and -inf - -inf = nan; exp(-1e4) is exactly 0 in any dtype (coreml_and_ane.md section 2)
         return torch.full((T, T), -1e4, dtype=self.dtype, device=self.device).triu(1)
 
-    def pad_mask(self, n, valid):
-        # additive (n,) mask, a bias: 0 on the first `valid` columns, -1e4 on the rest
-        mask = torch.zeros(n, dtype=self.dtype, device=self.device)
-        mask[valid:] = -1e4
-        return mask
+    def pad_mask(self, n, valid):  # an (n,) bias: 0 on the first `valid` columns, -1e4 on the rest
+        return torch.where(torch.arange(n, device=self.device) < valid, 0.0, -1e4).to(self.dtype)
 
 
 def vocab_chunks(V):
@@ -882,8 +878,8 @@ class CoreMLEngine(Engine):
 
 
 # -----------------------------------------------------------------------------
-# 5. The PyTorch engines (the interface: Engine, section 4): AutogradEngine, nanoGPT's model
-# with autograd (the GPU); EagerEngine, the derivation in PyTorch (off a Mac, the ANE's stand-in).
+# 5. The PyTorch engines: AutogradEngine, nanoGPT's model with autograd (the GPU); EagerEngine,
+# the derivation in PyTorch (off a Mac, the ANE's stand-in). Their interface: Engine, section 4.
 
 
 class AutogradEngine(Engine):
@@ -1041,8 +1037,7 @@ class HeteroStep:
         self.optimizer = optimizer
         self.params = dict(model.named_parameters())
         self.alive = set(engines)
-        # one long-lived thread per engine: a new thread every step would pay CUDA's
-        # per-thread set-up (cuBLAS handles, workspaces) every step
+        # one long-lived thread per engine: CUDA sets up each new thread (cuBLAS handles)
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
         self.skipped = 0  # steps with no usable gradient at all (no update)
@@ -1245,8 +1240,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         else:
             engines['ane'] = EagerEngine(model.config, ane_dev, ane_dtype, scaler)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
-                # the CPU engine would take every core; leave one to the thread that feeds the
-                # GPU, whose kernel launches would otherwise wait behind the CPU's math
+                # leave one core to the thread that launches the GPU's kernels
                 torch.set_num_threads(max(1, CPU_THREADS - 1))
         if not ON_MAC:
             log(f"not on macOS: the ANE engine is the {engines['ane'].label}")

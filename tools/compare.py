@@ -2,7 +2,7 @@
 Does training on two engines cost model quality? The paper's claim: hetero (GPU + ANE)
 matches GPU-only validation perplexity, and ANE-only (fp16) is slightly worse.
 
-    python compare.py --dataset shakespeare --seeds 3 [--margin 0.01] [--alpha 0.05]
+    python -m tools.compare --dataset shakespeare --seeds 3 [--margin 0.01] [--alpha 0.05]
         [--out_dir out/compare] [any hetero_gpt.py flag, e.g. --max_iters 2000]
 
 For each seed 1..N and each mode (gpu, ane, hetero) this trains hetero_gpt.py once, into
@@ -36,7 +36,7 @@ import numpy as np
 import hetero_gpt as hg
 
 MODES = ('gpu', 'ane', 'hetero')
-OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume')  # compare.py sets or forbids these
+OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume')  # this study sets or forbids these
 UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_programs', 'device', 'dist_timeout')  # may differ when reused
 # (device too: finished runs made on a GPU machine can be summarized on another one)
 
@@ -299,7 +299,7 @@ def main(argv=None):
 def compare(args, flags):
     clash = sorted({a[2:].split('=')[0] for a in flags if a.startswith('--')} & set(OWN_FLAGS))
     if clash:
-        raise hg.UserError(f"compare.py sets --{', --'.join(clash)} itself (seeds: --seeds N)")
+        raise hg.UserError(f"tools.compare sets --{', --'.join(clash)} itself (seeds: --seeds N)")
     if len(args.seeds) < 2:
         raise hg.UserError(f"--seeds {args.seeds}: paired tests need at least 2 seeds (3 or more recommended)")
     if not (0 < args.margin < 1 and 0 < args.alpha < 0.5):
