@@ -566,8 +566,8 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
                 grads[f'transformer.h.{l}.{name}'] = g[f'h{l}_{k}']
             elif f'h{l}_{k}' in g and third == 0:
                 grads[f'transformer.h.{l}.{name}'] = torch.cat([g[f'h{l}_{k[0]}{c}'] for c in 'qkv'], 0)
-    for v in grads.values() if loss_scale != 1.0 else ():
-        v.div_(float(loss_scale))
+    if loss_scale != 1.0:
+        torch._foreach_div_(list(grads.values()), float(loss_scale))  # one launch (benchmarks/RESULTS.md)
     return grads
 
 
@@ -595,7 +595,7 @@ def eager_loss_and_grads(ops, cfg, w, idx, targets, loss_scale):
 
 def grads_finite(grads):
     """Whether every gradient is finite (a norm is finite iff all its values are): one wait."""
-    return bool(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]).isfinite().all())
+    return bool(torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all())  # one launch
 
 # -----------------------------------------------------------------------------
 # 4. The Core ML programs: the same derivation, recorded by coremltools' MIL builder.
@@ -924,8 +924,7 @@ class EagerEngine(Engine):
     def load_weights(self, params):
         if self.w is None:  # buffers made once, refreshed in place
             self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device) for k, p in params.items()}
-        for k, p in params.items():
-            self.w[k].copy_(p)
+        torch._foreach_copy_(list(self.w.values()), list(params.values()))  # one launch
 
     def loss_and_grads(self, idx, targets):
         return eager_loss_and_grads(self.ops, self.cfg, self.w, idx.to(self.device), targets.to(self.device),
@@ -1009,9 +1008,8 @@ def run_engine(engine, microbatches):
         l, g = engine.loss_and_grads(idx, targets)
         if acc is None:
             acc = g  # every call returns tensors of its own: the sums go into the first
-        else:
-            for k, v in acc.items():
-                v.add_(g[k])
+        else:  # one launch, not one per tensor: 5% of a GPU step (benchmarks/RESULTS.md)
+            torch._foreach_add_(list(acc.values()), list(g.values()))
         loss = loss + l.float()  # a tensor: no wait for the device until the end
     finite = grads_finite(acc | {'loss': loss.reshape(1)})  # the one wait for the device
     return dict(grads=acc, loss=float(loss), finite=finite, n=len(microbatches), seconds=time.perf_counter() - t0)
@@ -1103,7 +1101,9 @@ class HeteroStep:
         total = None
         for r in used.values():  # the engines' sums are their own buffers: added to in place
             g = [r['grads'][pn].to(master, p.dtype) for pn, p in self.params.items()]
-            total = g if total is None else [t.add_(x) for t, x in zip(total, g)]
+            if total is not None:
+                torch._foreach_add_(g, total)  # one launch
+            total = g
         if distributed.world()[1] > 1:  # torchrun: every rank's sums and counts (nothing usable: 0s)
             total = total or [torch.zeros_like(p) for p in self.params.values()]
             *total, n_loss = distributed.all_reduce_sum(total + [total[0].new_tensor([n, loss])])
@@ -1111,8 +1111,9 @@ class HeteroStep:
         if n == 0:  # no usable gradient on any rank: no update
             self.skipped += 1
             return dict(loss=float('nan'), n=0, used=[], results=results)
+        torch._foreach_div_(total, float(n))
         for p, g in zip(self.params.values(), total):
-            p.grad = g.div_(n).to(p.dtype)
+            p.grad = g.to(p.dtype)
         return dict(loss=loss / n, n=n, used=sorted(used), results=results)
 
     def update(self, out, grad_clip=0.0):
@@ -1289,8 +1290,7 @@ def train(cfg, given=frozenset()):
             counters = dict(iter_num=it, tokens=tokens, elapsed=elapsed, best_val_loss=best_val)
             checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines, **counters))
 
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"GPT-2 {n_params / 1e6:.2f}M parameters | mode {cfg.mode} | "
+    print(f"GPT-2 {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | mode {cfg.mode} | "
           + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}"
           + (f" (none of: {'; '.join(meter.missing)})" if meter.missing and not meter.meters else ''))
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size

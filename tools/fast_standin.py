@@ -159,8 +159,8 @@ class FastEagerEngine(hg.EagerEngine):
         if self.stream is not None and src.type == 'cuda':
             self.stream.wait_stream(torch.cuda.current_stream(src))
         with self.running():
-            for w, p in zip(self.w.values() if self.staging is None else self.staging_w, params.values()):
-                w.copy_(p)
+            torch._foreach_copy_(list(self.w.values()) if self.staging is None else self.staging_w,
+                                 list(params.values()))
             if self.staging is not None:
                 self.flat.copy_(self.staging)
 
