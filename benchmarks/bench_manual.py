@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hetero_gpt as hg  # noqa: E402
-import standin  # noqa: E402
+from tools import fast_standin as standin  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument('--batch_size', type=int, default=12)
@@ -136,7 +136,7 @@ def graphed(dtype, scale, ops):
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     eng = standin.FastEagerEngine(cfg, device, dtype, hg.LossScaler(scale, 10**9), fused_kernels=True)
-    eng.o = ops(dtype, device)
+    eng.ops = ops(dtype, device)
     eng.load_weights(params)
     eng.loss_and_grads(x, y)  # captures
     torch.cuda.synchronize()

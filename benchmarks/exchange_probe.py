@@ -11,14 +11,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-import ane_worker  # noqa: E402
 import hetero_gpt as hg  # noqa: E402
+from plumbing import worker  # noqa: E402
 
 if __name__ == '__main__':
     for V, thr in ((100, 1), (50257, 1), (50257, 2), (50257, 8)):
         cfg = hg.GPTConfig(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=64)
-        spec = dict(cfg=dataclasses.asdict(cfg), B=1, T=64, max_batch=1, evaluator='eager', dtype='float32', threads=thr, programs=None)
-        w = ane_worker.WorkerEngine(spec, hg.LossScaler(1.0, 0, enabled=False))
+        spec = dict(cfg=dataclasses.asdict(cfg), shapes={k: tuple(p.shape) for k, p in hg.gpt_param_shapes(cfg).items()},
+                    B=1, T=64, max_batch=1, evaluator='eager', dtype='float32', threads=thr, programs=None)
+        w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
         w.load_weights(dict(hg.GPT(cfg).named_parameters()))
         b = tuple(torch.randint(0, V, (1, 64)) for _ in range(2))
         ov, inner = [], []

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hetero_gpt as hg  # noqa: E402
-import standin  # noqa: E402
+from tools import fast_standin as standin  # noqa: E402
 from benchmarks.cuda_timing import timeit  # noqa: E402
 
 p = argparse.ArgumentParser()

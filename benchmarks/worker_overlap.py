@@ -1,6 +1,6 @@
 """
 The Mac's structure where it can be measured: one process-bound engine beside the GPU.
-The GPU engine (autograd, in this process) and the ANE worker (ane_worker.py, the eager
+The GPU engine (autograd, in this process) and the ANE worker (plumbing/worker.py, the eager
 derivation on the CPU in its own process), each alone and then both at once, side by side
 in one run; and the cost of one exchange with the worker beyond its own compute.
 
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-import ane_worker  # noqa: E402
 import hetero_gpt as hg  # noqa: E402
-import settings  # noqa: E402
+from plumbing import settings  # noqa: E402
+from tools import ane_check  # noqa: E402
 
 
 def main():
@@ -41,7 +41,7 @@ def main():
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     if dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
-    r = ane_worker.overlap(cfg, a.gpu_batch, a.ane_batch, dev, gpu_iters=a.gpu_iters, ane_iters=a.ane_iters,
+    r = ane_check.overlap(cfg, a.gpu_batch, a.ane_batch, dev, gpu_iters=a.gpu_iters, ane_iters=a.ane_iters,
                            dtype=getattr(torch, a.dtype), ane_dtype=a.ane_dtype, threads=a.threads,
                            ane_microbatch=a.ane_batch)
     print(f"GPU engine: {r['gpu_label']}, {a.gpu_batch}x{cfg.block_size} a microbatch; worker: {r['ane_label']}, "
@@ -50,7 +50,7 @@ def main():
         print(f"{name}: {r[name + '_alone'] * 1e3:9.2f} ms a microbatch alone, {r[name + '_beside'] * 1e3:9.2f} ms "
               f"beside the other (ratio {r[name + '_beside'] / r[name + '_alone']:.3f}; spread alone "
               f"{100 * r[name + '_alone_spread']:.1f}%)")
-    nbytes = 4 * sum(p.numel() for n, p in hg.GPT_param_shapes(cfg).items() if n != 'lm_head.weight')
+    nbytes = 4 * sum(p.numel() for n, p in hg.gpt_param_shapes(cfg).items() if n != 'lm_head.weight')
     src = np.zeros(nbytes // 4, np.float32)
     t0 = time.perf_counter()
     for _ in range(5):
