@@ -116,11 +116,11 @@ class Config(GPTConfig):
     dist_timeout: float = setting(600.0, "under torchrun, seconds a rank waits for the others before it stops the run")
 
 
-# Without an accelerator, settings not given take these: a 2-core CPU shows progress in a minute.
+# Without an accelerator, for settings not given: progress within a minute on 2 cores.
 CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8,
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
-# On a Mac: 32 sequences a step in microbatches of 2, so that a 16 GB Mac holds GPT-2 124M.
+# On a Mac: microbatches of 2 sequences, so that a 16 GB Mac holds GPT-2 124M.
 MAC_DEFAULTS = dict(batch_size=2, gradient_accumulation_steps=16)
 
 
@@ -234,13 +234,13 @@ def gpt_param_shapes(cfg):
 # TorchOps (below) runs them eagerly; MILOps (section 4) records them as Core ML programs.
 # Each layer is a forward/backward pair: the forward returns (output, cache), the backward
 # takes that cache, so a faster backend overrides a whole pair, cache and all.
-# Every op recorded here runs on the ANE: no gather, scatter, one_hot, concat or split; the
-# host does the sparse work around the dense step (host_weights, host_batch, host_grads).
+# Every op here runs on the ANE: no gather, scatter, one_hot, concat or split.
+# The host does the sparse work around the dense step (host_weights, host_batch, host_grads).
 #
-# Shapes: B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H; (N, C) row
-# matrices, attention per head on (B, H, T, D). Not Apple's (B, C, 1, S) with 1x1 convs: the
-# weights are program *inputs*, and conv with a runtime weight compiles only at batch 1,
-# where matmul takes two runtime operands on the ANE (coreml_and_ane.md section 3).
+# Shapes: B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H.
+# Rows are (N, C) matrices; attention runs per head on (B, H, T, D).
+# Not Apple's (B, C, 1, S) with 1x1 convs: the weights are program inputs, and a conv with
+# a runtime weight compiles only at batch 1 (coreml_and_ane.md section 3).
 #
 # The programs' inputs and outputs are named (Core ML's are), by these names:
 #   h{l}_{k}        block l's weight k (BLOCK_PARAMS)   x0       the embeddings, wte[idx] + wpe
@@ -464,7 +464,7 @@ class Derivation:
 
 class TorchOps(Derivation):
     """PyTorch backend of the derivation: eager, no autograd, any device and dtype."""
-    # eager PyTorch keeps every cached tensor until the backward; (B, H, T, T) is the largest
+    # eager PyTorch keeps every cache until the backward; (B, H, T, T) is the largest
     recompute_attention = True
 
     def __init__(self, dtype, device):
@@ -473,8 +473,8 @@ class TorchOps(Derivation):
     def matmul(self, a, b, ta=False, tb=False):
         a, b = (a.mT if ta else a), (b.mT if tb else b)
         if self.dtype == torch.float16 and self.device.type == 'cpu':
-            # CPUs have no fast fp16 GEMM; fp16 operands, fp32 accumulation, fp16 result is
-            # also what the ANE and GPU tensor cores compute, so the numerics are unchanged
+            # CPUs have no fast fp16 GEMM. fp16 in, fp32 accumulation, fp16 out:
+            # what the ANE and tensor cores compute, so the numerics are unchanged
             return (a.float() @ b.float()).half()
         return a @ b
 
@@ -489,8 +489,8 @@ class TorchOps(Derivation):
     def transpose(self, x, perm): return x.permute(perm)
 
     def causal_mask(self, T):
-        # additive mask: 0 on and below the diagonal, -1e4 above. -1e4 (not -inf): fp16 tops
-        # out at 65504 and -inf - -inf = nan; exp(-1e4) is exactly 0 in any dtype (coreml_and_ane.md section 2)
+        # additive mask: 0 on and below the diagonal, -1e4 above. Not -inf: -inf - -inf = nan,
+        # and exp(-1e4) is 0 in any dtype (coreml_and_ane.md section 2)
         return torch.full((T, T), -1e4, dtype=self.dtype, device=self.device).triu(1)
 
     def pad_mask(self, n, valid):  # an (n,) bias: 0 on the first `valid` columns, -1e4 on the rest
@@ -810,8 +810,8 @@ class CoreMLEngine(Engine):
         self.cfg, self.B, self.T, self.predict, self.pieces = cfg, B, T, predict, tuple(pieces)
         self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
         self.label, self.shapes = label, {k: tuple(p.shape) for k, p in gpt_param_shapes(cfg).items()}
-        # Persistent fp32 buffers, made once: coremltools wraps fp32 arrays without a copy but
-        # makes a new fp32 array of every fp16 one (coreml_and_ane.md section 1).
+        # fp32 buffers, made once: coremltools wraps fp32 arrays as they are, and copies
+        # every fp16 one into a new fp32 array (coreml_and_ane.md section 1)
         N, C, L = B * T, cfg.n_embd, cfg.n_layer
         self.inputs = {k: np.zeros(s, np.float32) for k, s in dense_input_shapes(cfg, B, T).items()}
         self.xs = [self.inputs['x0']] + [np.zeros((N, C), np.float32) for _ in range(L)]  # each block's input
@@ -893,7 +893,7 @@ class AutogradEngine(Engine):
         self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16)
                          else contextlib.nullcontext())
         self.params = list(model.named_parameters())
-        # fp16 autocast needs a loss scale, as the fp16 ANE engine does; bf16 and fp32 don't
+        # fp16 autocast needs a loss scale; bf16 and fp32 don't
         self.scaler = scaler if dtype == torch.float16 and scaler else LossScaler(1.0, 0, enabled=False)
         self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
 
@@ -1007,8 +1007,8 @@ def run_engine(engine, microbatches):
     for idx, targets in microbatches:
         l, g = engine.loss_and_grads(idx, targets)
         if acc is None:
-            acc = g  # every call returns tensors of its own: the sums go into the first
-        else:  # one launch, not one per tensor: 5% of a GPU step (benchmarks/RESULTS.md)
+            acc = g  # each call's tensors are its own: the sums go into the first
+        else:  # one launch, not one per tensor (benchmarks/RESULTS.md, 14)
             torch._foreach_add_(list(acc.values()), list(g.values()))
         loss = loss + l.float()  # a tensor: no wait for the device until the end
     finite = grads_finite(acc | {'loss': loss.reshape(1)})  # the one wait for the device
@@ -1035,12 +1035,12 @@ class HeteroStep:
         self.optimizer = optimizer
         self.params = dict(model.named_parameters())
         self.alive = set(engines)
-        # one long-lived thread per engine: CUDA sets up each new thread (cuBLAS handles)
+        # one long-lived thread per engine: CUDA sets up each new one
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
         self.skipped = 0  # steps with no usable gradient at all (no update)
 
-    def check(self, microbatches):  # first: a batch the model cannot take is an input error, not a fault
+    def check(self, microbatches):  # a batch the model cannot take: bad data, not a faulty engine
         try:
             for idx, targets in microbatches:
                 check_batch(self.model.config, idx, targets)
@@ -1056,7 +1056,7 @@ class HeteroStep:
         for name in self.alive:
             if name != 'gpu' and shares[name]:
                 self.engines[name].load_weights(self.params)
-        # each engine in its own thread; the ANE engine's waits on its worker process without the GIL
+        # each engine in its own thread; the ANE worker's thread waits without the GIL
         futures = {n: self.threads[n].submit(run_engine, self.engines[n], shares[n]) for n in self.alive if shares[n]}
         results, errors = {}, {}
         for name, f in futures.items():
@@ -1124,7 +1124,7 @@ class HeteroStep:
                 torch.nn.utils.clip_grad_norm_(self.params.values(), grad_clip)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        for r in out['results'].values():  # the sums are in p.grad or freed: not held into the next step
+        for r in out['results'].values():  # the sums are in p.grad or freed
             r.pop('grads', None)
         return out
 
@@ -1342,13 +1342,13 @@ def train(cfg, given=frozenset()):
                     next_eval_s += cfg.eval_seconds
             scheduled = it % cfg.eval_interval == 0 or it == cfg.max_iters
             if scheduled or timed_eval:
-                if scheduled:  # (a timed evaluation comes at each rank's own time: no collective there)
+                if scheduled:  # (timed evaluations: each rank's own time, no collective)
                     distributed.check_same_weights(model, it)
                 val = evaluate(model, evaluator, cfg, data['val'])
                 best_val = min(best_val, val)
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
                     val_loss=val, val_ppl=math.exp(min(val, 50)))
-            if row:  # the log first, then the checkpoint: a resumed run never lacks a row
+            if row:  # the log first: a resumed run never lacks a row
                 metrics.write(json.dumps(row) + '\n')
                 metrics.flush()
                 if scheduled and (not bad or it == cfg.max_iters):  # not after a dropped step, nor timed evals
