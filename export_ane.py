@@ -80,10 +80,13 @@ def main(argv=None):
         if settings.ON_MAC:  # (a coremltools without its native libraries cannot save a program either)
             settings.check_coreml()
             settings.check_ane_alignment(cfg, T)
-        if a.check:  # the programs are exported by its own stage, in a process of their own
-            return ane_check.main(cfg, B, T, a.out, a.gpu_batch or mac.batch_size, a.check_report, a.stage_timeout,
-                                  a.stages)
         programs.check_shapes(B, T, cfg.block_size)
+        if a.check:  # the programs are exported by its own stage, in a process of their own
+            gpu_batch = a.gpu_batch or mac.batch_size
+            if gpu_batch % B:
+                raise settings.UserError(f"--ane_batch_size {B} must divide --gpu_batch {gpu_batch}: the worker runs "
+                                         "the GPU's microbatch in calls of that many sequences")
+            return ane_check.main(cfg, B, T, a.out, gpu_batch, a.check_report, a.stage_timeout, a.stages)
         t0 = time.perf_counter()
         reports = export_programs(cfg, B, T, a.out, a.whole_step)
         print(f"saved {a.out} ({cfg}, {B}x{T} tokens a call) in {time.perf_counter() - t0:.1f} s")

@@ -154,7 +154,7 @@ def check_coreml():
         import coremltools.libcoremlpython  # noqa: F401
     except ImportError:
         raise UserError(f"coremltools {ct.__version__} has no Core ML runtime (libcoremlpython): pip found no macOS "
-                        f"wheel for Python {platform.python_version()}; use Python 3.9 to 3.13, or --mode gpu") from None
+                        f"wheel for Python {platform.python_version()}; use Python 3.9 to 3.13 (3.13: coremltools 9 or newer), or --mode gpu") from None
 
 
 def check_ane_alignment(cfg, T):

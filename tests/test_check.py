@@ -98,3 +98,11 @@ def test_preflight_refuses_what_will_not_fit_and_warns_near_it(monkeypatch):
     mac = hg.Config(**hg.MAC_DEFAULTS)
     assert memory.memory_estimate(mac, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(mac))['total'] < 0.7 * 16 * 2**30
     assert memory.memory_estimate(hg.Config(), 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(hg.Config()))['total'] > 0.9 * 16 * 2**30
+
+
+def test_check_refuses_calls_that_do_not_divide_the_gpu_microbatch(tmp_path, capsys):
+    # the worker runs the GPU engine's microbatch in calls of --ane_batch_size sequences
+    rc = export_ane.main(['--check', *TINY, '--ane_batch_size', '4', '--gpu_batch', '2', '--out', str(tmp_path / 'p'),
+                          '--check_report', str(tmp_path / 'check.json')])
+    assert rc == 2 and '--ane_batch_size 4 must divide --gpu_batch 2' in capsys.readouterr().err
+    assert not os.listdir(tmp_path)  # nothing exported, no report

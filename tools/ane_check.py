@@ -275,6 +275,8 @@ def coreml(ctx):
     on CPU_ONLY (wall time, the Python side's copies included)."""
     ct = settings.import_coremltools()
     cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
+    if coreml_programs.read_meta(ctx['out']) != coreml_programs.meta(cfg, B, T, hg.ANE_PIECES):
+        raise hg.UserError(f"{ctx['out']} holds programs for other shapes: run the programs stage first")
     out = {}
     for piece in hg.ANE_PIECES:
         t0 = time.perf_counter()
