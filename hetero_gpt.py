@@ -43,11 +43,9 @@ from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or p
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, numpy_programs, the ANE's limits
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
-from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own)
+from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
 from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # the ANE's largest dimension; fp16 overflow
 from plumbing.settings import ON_MAC, UserError, setting  # macOS?; an error the user fixes; a flag
-
-CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per core
 
 # -----------------------------------------------------------------------------
 # 1. Configuration: every setting, its default, and one line on what it does.
@@ -1242,7 +1240,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
             engines['ane'] = EagerEngine(model.config, ane_dev, ane_dtype, scaler)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
                 # leave one core to the thread that launches the GPU's kernels
-                torch.set_num_threads(max(1, CPU_THREADS - 1))
+                torch.set_num_threads(worker.share_cores(gpu_on_cpu=False))
         if not ON_MAC:
             log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
     return engines

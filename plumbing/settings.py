@@ -61,11 +61,6 @@ def setting(default, help):
     return dataclasses.field(default=default, metadata={'help': help})
 
 
-def flags(cfg, cls):
-    """The command-line flags that give cfg's fields of the dataclass cls (for messages)."""
-    return ' '.join(f'--{f.name} {getattr(cfg, f.name)}' for f in dataclasses.fields(cls))
-
-
 def parse_args(argv, cls, description):
     """(cls(...), the names of the flags the user gave)."""
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,

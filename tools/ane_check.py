@@ -329,7 +329,7 @@ def concurrency(ctx, watts=False):
     """macOS: the GPU engine and the ANE worker (Core ML), each alone and beside the other. The
     GPU engine's device is the trainer's default, resolve_device('auto'): MPS on a Mac."""
     return overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], settings.resolve_device('auto'),
-                              evaluator='coreml', program_dir=ctx['out'], gpu_iters=10, ane_iters=3, watts=watts)
+                   program_dir=ctx['out'], gpu_iters=10, ane_iters=3, watts=watts)
 
 
 def energy(ctx):
@@ -362,11 +362,11 @@ def projection(ctx):
 
 
 
-def overlap(cfg, gpu_batch, ane_batch, device, evaluator='eager', program_dir=None, gpu_iters=30, ane_iters=5,
+def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, ane_iters=5,
             watts=False, dtype=torch.float32, ane_dtype='float32', threads=None, ane_microbatch=None):
     """The Mac's structure, timed: the GPU engine (autograd on `device`, gpu_batch sequences a
-    microbatch) in this process, the worker (`evaluator`, ane_microbatch sequences a call, run
-    ane_batch at a time) in its own; each alone, then each while the other computes, in one
+    microbatch) in this process, the worker (Core ML on a Mac, on the programs in program_dir;
+    else the eager derivation; ane_microbatch sequences a call, run ane_batch at a time) in its own; each alone, then each while the other computes, in one
     run. Medians in seconds: {gpu,ane}_{alone,beside}; exchange_{alone,beside}: this side's wall
     time per call minus the worker's own; with watts, each part's watts (powermetrics) alone."""
     import threading
@@ -375,9 +375,9 @@ def overlap(cfg, gpu_batch, ane_batch, device, evaluator='eager', program_dir=No
     torch.manual_seed(0)
     model = hg.GPT(cfg).to(device)
     gpu = hg.AutogradEngine(model, device, dtype)
-    spec = dict(cfg=dataclasses.asdict(cfg), shapes={k: tuple(p.shape) for k, p in hg.gpt_param_shapes(cfg).items()},
-                B=ane_batch, T=cfg.block_size, max_batch=ane_microbatch, evaluator=evaluator, dtype=ane_dtype,
-                threads=threads or max(1, hg.CPU_THREADS - 1), programs=program_dir)
+    run = hg.Config(**dataclasses.asdict(cfg), batch_size=ane_microbatch, ane_batch_size=ane_batch,
+                    ane_programs=program_dir or '')
+    spec = hg.ane_spec(run, getattr(torch, ane_dtype)) | dict(threads=threads or worker.share_cores(gpu_on_cpu=False))
     w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
     rand = lambda b: tuple(torch.randint(0, cfg.vocab_size, (b, cfg.block_size)) for _ in range(2))
     gb, ab = rand(gpu_batch), rand(ane_microbatch)
