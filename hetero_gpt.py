@@ -41,6 +41,7 @@ from plumbing import checkpoints  # defines: check_out_dir, resume, state, save_
 from plumbing import distributed  # defines: join_ranks, rank_share, all_reduce_sum, gather, leave
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
+from plumbing import pretrained  # defines: configure, state_dict (OpenAI's GPT-2 in this layout)
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, numpy_programs, the ANE's limits
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
@@ -106,6 +107,8 @@ class Config(GPTConfig):
     log_interval: int = setting(10, "print and log training metrics every this many steps")
     out_dir: str = setting('out', "checkpoints and metrics.jsonl go here")
     resume: bool = setting(False, "resume from out_dir/ckpt.pt")
+    init_from: str = setting('scratch', "scratch, or GPT-2's weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (from the Hugging Face hub) or a local folder of them")
+    patience: int = setting(3, "stop once this many evaluations in a row did not lower the best validation loss (0: never)")
     overwrite: bool = setting(False, "start over in an out_dir that holds a run (deletes its checkpoints and metrics)")
     max_bad_steps: int = setting(10, "stop after this many steps in a row without a usable gradient (0: never)")
     sample_tokens: int = setting(200, "tokens of text sampled at the end (0: none)")
@@ -208,10 +211,10 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=0.8, top_k=200):
-        for _ in range(max_new_tokens):
+    def generate(self, idx, max_new_tokens, temperature=0.8, top_k=200, vocab=None):
+        for _ in range(max_new_tokens):  # vocab: the tokenizer's, where the model's is padded
             logits, _ = self(idx[:, -self.config.block_size:])
-            logits = logits[:, -1, :] / temperature
+            logits = logits[:, -1, :vocab] / temperature
             v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
             logits[logits < v[:, [-1]]] = -float('inf')
             idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), 1)), dim=1)
@@ -1269,7 +1272,8 @@ def setup(cfg, given, log=print):
 
 def train(cfg, given=frozenset()):
     rank, world = distributed.join_ranks(cfg)
-    device, dtype = setup(cfg, given)
+    init = cfg.init_from != 'scratch' and distributed.rank0_first(lambda: pretrained.configure(cfg, given, cfg.init_from))
+    device, dtype = setup(cfg, given | (set(pretrained.MODEL_FLAGS) if init else set()))  # (the model's size: init's)
     old_run = checkpoints.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
     data = distributed.rank0_first(lambda: load_data(cfg))  # (rank 0 prepares a set that is missing)
     torch.manual_seed(cfg.seed)
@@ -1278,15 +1282,26 @@ def train(cfg, given=frozenset()):
     log = tqdm.write if rank == 0 else lambda s: print(f"rank {rank}: {s}", file=sys.stderr)
     model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log)
     split = step.split
-    it, tokens, elapsed, best_val = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
+    if init and rank == 0 and not cfg.resume:  # (under torchrun the other ranks get rank 0's weights)
+        model.load_state_dict(pretrained.state_dict(init, cfg.block_size))
+        print(f"weights from --init_from {cfg.init_from} ({init})")
+    start = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
+    it, tokens, elapsed, best_val, since_best = (start[k] for k in checkpoints.FRESH)
+    keep_as = start['keep_as']  # where the first save keeps an unusable ckpt.pt it resumed past
     bad = 0  # steps in a row without a usable gradient
     for path in old_run if rank == 0 else []:  # (--overwrite)
         os.remove(path)
 
-    def checkpoint():
+    def checkpoint(best=False):
+        nonlocal keep_as
         if rank == 0:
-            counters = dict(iter_num=it, tokens=tokens, elapsed=elapsed, best_val_loss=best_val)
-            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines, **counters))
+            counters = dict(iter_num=it, tokens=tokens, elapsed=elapsed, best_val_loss=best_val,
+                            evals_since_best=since_best)
+            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines, **counters),
+                                        keep_as)
+            keep_as = None
+            if best:  # best.pt: a second name of this checkpoint's file, no copy
+                checkpoints.link(ckpt_path, checkpoints.best_path(ckpt_path))
 
     print(f"GPT-2 {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | mode {cfg.mode} | "
           + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}"
@@ -1297,10 +1312,12 @@ def train(cfg, given=frozenset()):
     bar = tqdm(total=cfg.max_iters, initial=it, disable=cfg.quiet, dynamic_ncols=True, desc='train')
     next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0
     j0, t_log, tok_log = meter.joules(), elapsed, 0
-    if it >= cfg.max_iters:
-        print(f"at step {it} of --max_iters {cfg.max_iters}: no steps to train")
+    if it >= cfg.max_iters or 0 < cfg.patience <= since_best:
+        print(f"at step {it} of --max_iters {cfg.max_iters}" + (f", {since_best} evaluations past the best validation "
+              f"loss (--patience {cfg.patience})" if it < cfg.max_iters else '') + ": no steps to train")
+    stop = it >= cfg.max_iters or 0 < cfg.patience <= since_best
     try:
-        while it < cfg.max_iters:
+        while not stop:
             lr = get_lr(cfg, it)
             for g in optimizer.param_groups:
                 g['lr'] = lr
@@ -1343,19 +1360,25 @@ def train(cfg, given=frozenset()):
                 if scheduled:  # (timed evaluations: each rank's own time, no collective)
                     distributed.check_same_weights(model, it)
                 val = evaluate(model, evaluator, cfg, data['val'])
-                best_val = min(best_val, val)
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
                     val_loss=val, val_ppl=math.exp(min(val, 50)))
+            improved = scheduled and val < best_val  # (timed evaluations: a curve over time, not the run's best)
+            if scheduled:
+                best_val, since_best = min(best_val, val), 0 if improved else since_best + 1
+            stop = it >= cfg.max_iters or (scheduled and 0 < cfg.patience <= since_best)
             if row:  # the log first: a resumed run never lacks a row
                 metrics.write(json.dumps(row) + '\n')
                 metrics.flush()
-                if scheduled and (not bad or it == cfg.max_iters):  # not after a dropped step, nor timed evals
-                    checkpoint()
+                if scheduled and (not bad or stop or improved):  # not after a dropped step, nor timed evals
+                    checkpoint(best=improved)
                 bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
                                  if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches')})
                 if bar.disable:
                     print(' '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in row.items()))
             bar.update(1)
+        if it < cfg.max_iters and since_best:
+            print(f"step {it}: {since_best} evaluations without a lower validation loss than {best_val:.4f} "
+                  f"(--patience {cfg.patience}): stopped early")
     except KeyboardInterrupt:
         checkpoint()
         print(f"\ninterrupted: checkpoint saved at step {it} in {ckpt_path}; continue with --resume")
@@ -1365,12 +1388,21 @@ def train(cfg, given=frozenset()):
         meter.close()
         metrics.close()
     distributed.leave()
-    if cfg.sample_tokens > 0 and rank == 0:
-        enc = prepare_data.get_encoding()
-        start = torch.tensor([enc.encode('\n')], device=device)
+    best = checkpoints.best_path(ckpt_path)
+    if rank == 0 and os.path.exists(best):
+        print(f"best validation loss {best_val:.4f}: {best}")
+    if cfg.sample_tokens > 0 and rank == 0:  # from the best weights; training has succeeded by now
+        try:
+            enc = prepare_data.get_encoding()
+        except prepare_data.DataError as e:
+            print(f"no sample: {e}", file=sys.stderr)
+            return model
+        sampler = GPT(model.config).to(device)
+        sampler.load_state_dict(checkpoints.read_checkpoint(best, 'cpu')['model'] if os.path.exists(best) else
+                                model.state_dict())
         with evaluator.autocast:
-            text = enc.decode(model.generate(start, cfg.sample_tokens)[0].tolist())
-        print('---- sample ----\n' + text)
+            ids = sampler.generate(torch.tensor([enc.encode('\n')], device=device), cfg.sample_tokens, vocab=enc.n_vocab)
+        print(f"---- sample{' (best.pt)' if os.path.exists(best) else ''} ----\n" + enc.decode(ids[0].tolist()))
     return model
 
 

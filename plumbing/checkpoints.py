@@ -1,8 +1,9 @@
 """
 What a training run keeps in its out_dir, and the rules that keep it safe:
 
-    ckpt.pt        the latest checkpoint, written atomically (under a temporary name, then renamed)
-    ckpt.prev.pt   the one before it, kept when a new one is written, so one bad write never leaves nothing
+    ckpt.pt        the latest checkpoint: there and loadable at every moment, even if the run is killed mid-save
+    ckpt.prev.pt   the one before it; --resume falls back to it when ckpt.pt is missing or damaged
+    best.pt        the checkpoint of the lowest validation loss so far (what sample.py reads)
     metrics.jsonl  one JSON row per logged step; a resumed run first drops the rows past its checkpoint
 
 A run never replaces what another one made: an out_dir that holds any of these needs
@@ -11,6 +12,7 @@ A run never replaces what another one made: an out_dir that holds any of these n
 import dataclasses
 import json
 import os
+import shutil
 import warnings
 
 import torch
@@ -18,9 +20,10 @@ import torch
 from . import distributed
 from .settings import UserError
 
-RUN_FILES = ('ckpt.pt', 'ckpt.prev.pt', 'metrics.jsonl')
+RUN_FILES = ('ckpt.pt', 'ckpt.prev.pt', 'best.pt', 'metrics.jsonl')
 CKPT_KEYS = ('model', 'optimizer', 'model_args', 'iter_num', 'tokens', 'elapsed', 'best_val_loss', 'split',
              'loss_scales')
+FRESH = dict(iter_num=0, tokens=0, elapsed=0.0, best_val_loss=float('inf'), evals_since_best=0)  # a new run's counters
 
 
 def check_out_dir(cfg):
@@ -38,7 +41,8 @@ def check_out_dir(cfg):
     if found and not (cfg.resume or cfg.overwrite):
         raise UserError(f"{cfg.out_dir} holds a run ({', '.join(found)}): pass --resume to continue it, "
                            "a new --out_dir, or --overwrite to start over")
-    return [os.path.join(cfg.out_dir, f) for f in found] if cfg.overwrite else []
+    left = [f + '.tmp' for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f + '.tmp'))]  # a killed save's
+    return [os.path.join(cfg.out_dir, f) for f in found + left] if cfg.overwrite else []
 
 
 def state(cfg, model, optimizer, split, engines, **counters):
@@ -48,17 +52,36 @@ def state(cfg, model, optimizer, split, engines, **counters):
                 loss_scales={n: e.scaler.scale for n, e in engines.items()}, **counters)
 
 
-def save_checkpoint(path, obj):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact. That one is kept
-    (renamed, not copied) as ckpt.prev.pt."""
-    torch.save(obj, path + '.tmp')
+def save_checkpoint(path, obj, keep_as=None):
+    """ckpt.pt is there and whole at every moment: the new checkpoint is written to a
+    temporary file and synced to disk; the current one gets a second name, ckpt.prev.pt (or
+    keep_as); then os.replace, atomic, gives the new one the name ckpt.pt."""
+    with open(path + '.tmp', 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     if os.path.exists(path):
-        os.replace(path, prev_path(path))
+        link(path, keep_as or prev_path(path))
     os.replace(path + '.tmp', path)
+
+
+def link(src, dst):
+    """dst becomes a second name of src's file, atomically; a copy where hard links fail."""
+    if os.path.exists(dst + '.tmp'):  # left by a killed save
+        os.remove(dst + '.tmp')
+    try:
+        os.link(src, dst + '.tmp')
+    except OSError:  # a file system without hard links
+        shutil.copyfile(src, dst + '.tmp')
+    os.replace(dst + '.tmp', dst)
 
 
 def prev_path(path):
     return path.removesuffix('.pt') + '.prev.pt'
+
+
+def best_path(path):
+    return os.path.join(os.path.dirname(path), 'best.pt')
 
 
 def read_checkpoint(path, device):
@@ -79,19 +102,19 @@ def read_checkpoint(path, device):
 
 
 def load_checkpoint(path, device):
-    """The checkpoint --resume starts from; else a UserError that names the file and what to
-    do. If ckpt.prev.pt is usable where ckpt.pt is not, it says so, and changes nothing:
-    the user decides whether to give up the damaged file."""
+    """(checkpoint, the file it came from) for --resume: ckpt.pt, or ckpt.prev.pt if ckpt.pt
+    is missing or damaged (said in one line); else a UserError that says what to do."""
     try:
-        return read_checkpoint(path, device)
+        return read_checkpoint(path, device), path
     except ValueError as e:
         why = e
     try:
-        hint = (f"{prev_path(path)} (step {read_checkpoint(prev_path(path), 'cpu')['iter_num']}) is usable: "
-                f"`mv {prev_path(path)} {path}` and --resume again")
-    except ValueError:
-        hint = "start over with --overwrite or a new --out_dir"
-    raise UserError(f"--resume: cannot use {path} ({why}); {hint}")
+        ck = read_checkpoint(prev_path(path), device)
+    except ValueError as e:
+        raise UserError(f"--resume: cannot use {path} ({why}) nor {prev_path(path)} ({e}); start over with "
+                        "--overwrite or a new --out_dir") from None
+    print(f"--resume: {path} is unusable ({why}); resuming from {prev_path(path)} (step {ck['iter_num']}) instead")
+    return ck, prev_path(path)
 
 
 def truncate_metrics(path, step):
@@ -109,11 +132,12 @@ def truncate_metrics(path, step):
 
 
 def resume(cfg, given, path, model, optimizer, split, engines, rank):
-    """(step, tokens, elapsed, best val loss) to start from: with --resume the checkpoint's,
-    its weights, optimizer state, split and loss scales loaded; else a fresh run's. Rank 0
+    """The counters to start from (FRESH's, or with --resume the checkpoint's, its weights,
+    optimizer state, split and loss scales loaded) and `keep_as`: where the next save keeps
+    an unusable ckpt.pt that the run resumed past (None: ckpt.prev.pt, as always). Rank 0
     alone reads the checkpoint (the others may be on machines without it) and under torchrun
     every rank starts from its state: the checkpoint, or rank 0's fresh weights."""
-    ck = load_checkpoint(path, 'cpu') if cfg.resume and rank == 0 else None
+    ck, used = load_checkpoint(path, 'cpu') if cfg.resume and rank == 0 else (None, path)
     if distributed.world()[1] > 1:
         ck = distributed.from_rank0(ck or dict(model={k: v.cpu() for k, v in model.state_dict().items()}))
     try:  # this run's model and its optimizer's state, or one clear line
@@ -127,7 +151,7 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
         raise UserError(f"{path} does not fit this run ({' '.join(str(e).split())[:300]}): give the "
                         "flags of its model, or a new --out_dir") from None
     if not cfg.resume:
-        return 0, 0, 0.0, float('inf')
+        return dict(FRESH, keep_as=None)
     if 'ane_fraction' in given and cfg.mode == 'hetero':
         print(f"--ane_fraction {cfg.ane_fraction} given: it replaces the checkpoint's split of the microbatches")
     else:
@@ -140,8 +164,9 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
             e.scaler.scale = ck['loss_scales'][n]
     if rank == 0:
         truncate_metrics(os.path.join(cfg.out_dir, 'metrics.jsonl'), ck['iter_num'])
-    print(f"resumed from {path} at step {ck['iter_num']}")
-    return ck['iter_num'], ck['tokens'], ck['elapsed'], ck['best_val_loss']
+    print(f"resumed from {used} at step {ck['iter_num']}")
+    keep_as = path.removesuffix('.pt') + '.unusable.pt' if used != path and os.path.exists(path) else None
+    return {k: ck.get(k, v) for k, v in FRESH.items()} | dict(keep_as=keep_as)
 
 
 def diverged(cfg, it, bad, loss, engines, path):

