@@ -1284,24 +1284,18 @@ def train(cfg, given=frozenset()):
     split = step.split
     if init and rank == 0 and not cfg.resume:  # (under torchrun the other ranks get rank 0's weights)
         model.load_state_dict(pretrained.state_dict(init, cfg.block_size))
-        print(f"weights from --init_from {cfg.init_from} ({init})")
-    start = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
-    it, tokens, elapsed, best_val, since_best = (start[k] for k in checkpoints.FRESH)
-    keep_as = start['keep_as']  # where the first save keeps an unusable ckpt.pt it resumed past
+    it, tokens, elapsed, best_val, since_best = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, split,
+                                                                   engines, rank)
     bad = 0  # steps in a row without a usable gradient
     for path in old_run if rank == 0 else []:  # (--overwrite)
         os.remove(path)
 
     def checkpoint(best=False):
-        nonlocal keep_as
         if rank == 0:
             counters = dict(iter_num=it, tokens=tokens, elapsed=elapsed, best_val_loss=best_val,
                             evals_since_best=since_best)
             checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines, **counters),
-                                        keep_as)
-            keep_as = None
-            if best:  # best.pt: a second name of this checkpoint's file, no copy
-                checkpoints.link(ckpt_path, checkpoints.best_path(ckpt_path))
+                                        best)
 
     print(f"GPT-2 {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | mode {cfg.mode} | "
           + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}"
@@ -1312,10 +1306,10 @@ def train(cfg, given=frozenset()):
     bar = tqdm(total=cfg.max_iters, initial=it, disable=cfg.quiet, dynamic_ncols=True, desc='train')
     next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0
     j0, t_log, tok_log = meter.joules(), elapsed, 0
-    if it >= cfg.max_iters or 0 < cfg.patience <= since_best:
-        print(f"at step {it} of --max_iters {cfg.max_iters}" + (f", {since_best} evaluations past the best validation "
-              f"loss (--patience {cfg.patience})" if it < cfg.max_iters else '') + ": no steps to train")
-    stop = it >= cfg.max_iters or 0 < cfg.patience <= since_best
+    stop = it >= cfg.max_iters or 0 < cfg.patience <= since_best  # (a resumed run may be done)
+    if stop:
+        print(f"step {it}, {since_best} evaluations past the best (--max_iters {cfg.max_iters}, --patience "
+              f"{cfg.patience}): no steps to train")
     try:
         while not stop:
             lr = get_lr(cfg, it)
@@ -1362,23 +1356,23 @@ def train(cfg, given=frozenset()):
                 val = evaluate(model, evaluator, cfg, data['val'])
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
                     val_loss=val, val_ppl=math.exp(min(val, 50)))
-            improved = scheduled and val < best_val  # (timed evaluations: a curve over time, not the run's best)
-            if scheduled:
-                best_val, since_best = min(best_val, val), 0 if improved else since_best + 1
-            stop = it >= cfg.max_iters or (scheduled and 0 < cfg.patience <= since_best)
+            saving = scheduled and (not bad or it == cfg.max_iters)  # not after a dropped step, nor timed evals
+            if saving:  # the run's best, and evaluations since
+                improved, best_val = val < best_val, min(best_val, val)
+                since_best = 0 if improved else since_best + 1
+            stop = it >= cfg.max_iters or 0 < cfg.patience <= since_best
             if row:  # the log first: a resumed run never lacks a row
                 metrics.write(json.dumps(row) + '\n')
                 metrics.flush()
-                if scheduled and (not bad or stop or improved):  # not after a dropped step, nor timed evals
+                if saving:
                     checkpoint(best=improved)
                 bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
                                  if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches')})
                 if bar.disable:
                     print(' '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in row.items()))
             bar.update(1)
-        if it < cfg.max_iters and since_best:
-            print(f"step {it}: {since_best} evaluations without a lower validation loss than {best_val:.4f} "
-                  f"(--patience {cfg.patience}): stopped early")
+        if it < cfg.max_iters:
+            print(f"step {it}: stopped early, {since_best} evaluations without a lower validation loss (--patience)")
     except KeyboardInterrupt:
         checkpoint()
         print(f"\ninterrupted: checkpoint saved at step {it} in {ckpt_path}; continue with --resume")
@@ -1391,13 +1385,12 @@ def train(cfg, given=frozenset()):
     best = checkpoints.best_path(ckpt_path)
     if rank == 0 and os.path.exists(best):
         print(f"best validation loss {best_val:.4f}: {best}")
-    if cfg.sample_tokens > 0 and rank == 0:  # from the best weights; training has succeeded by now
+    if cfg.sample_tokens > 0 and rank == 0:  # training has succeeded: a tokenizer that fails is one line
         try:
             enc = prepare_data.get_encoding()
         except prepare_data.DataError as e:
-            print(f"no sample: {e}", file=sys.stderr)
-            return model
-        sampler = GPT(model.config).to(device)
+            return print(f"no sample: {e}", file=sys.stderr) or model
+        sampler = GPT(model.config).to(device)  # the best weights
         sampler.load_state_dict(checkpoints.read_checkpoint(best, 'cpu')['model'] if os.path.exists(best) else
                                 model.state_dict())
         with evaluator.autocast:

@@ -20,7 +20,7 @@ import torch
 from . import distributed
 from .settings import UserError
 
-RUN_FILES = ('ckpt.pt', 'ckpt.prev.pt', 'best.pt', 'metrics.jsonl')
+RUN_FILES = ('ckpt.pt', 'ckpt.prev.pt', 'best.pt', 'ckpt.unusable.pt', 'metrics.jsonl')
 CKPT_KEYS = ('model', 'optimizer', 'model_args', 'iter_num', 'tokens', 'elapsed', 'best_val_loss', 'split',
              'loss_scales')
 FRESH = dict(iter_num=0, tokens=0, elapsed=0.0, best_val_loss=float('inf'), evals_since_best=0)  # a new run's counters
@@ -52,17 +52,19 @@ def state(cfg, model, optimizer, split, engines, **counters):
                 loss_scales={n: e.scaler.scale for n, e in engines.items()}, **counters)
 
 
-def save_checkpoint(path, obj, keep_as=None):
+def save_checkpoint(path, obj, best=False):
     """ckpt.pt is there and whole at every moment: the new checkpoint is written to a
-    temporary file and synced to disk; the current one gets a second name, ckpt.prev.pt (or
-    keep_as); then os.replace, atomic, gives the new one the name ckpt.pt."""
+    temporary file and synced to disk; the current one gets a second name, ckpt.prev.pt;
+    then os.replace, atomic, gives the new one the name ckpt.pt (and best.pt, if best)."""
     with open(path + '.tmp', 'wb') as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     if os.path.exists(path):
-        link(path, keep_as or prev_path(path))
+        link(path, prev_path(path))
     os.replace(path + '.tmp', path)
+    if best:
+        link(path, best_path(path))
 
 
 def link(src, dst):
@@ -102,10 +104,11 @@ def read_checkpoint(path, device):
 
 
 def load_checkpoint(path, device):
-    """(checkpoint, the file it came from) for --resume: ckpt.pt, or ckpt.prev.pt if ckpt.pt
-    is missing or damaged (said in one line); else a UserError that says what to do."""
+    """The checkpoint --resume starts from: ckpt.pt, or ckpt.prev.pt if ckpt.pt is missing or
+    damaged (said in one line; a damaged one is kept as ckpt.unusable.pt, so that the next save
+    keeps ckpt.prev.pt); else a UserError that says what to do."""
     try:
-        return read_checkpoint(path, device), path
+        return read_checkpoint(path, device)
     except ValueError as e:
         why = e
     try:
@@ -113,8 +116,11 @@ def load_checkpoint(path, device):
     except ValueError as e:
         raise UserError(f"--resume: cannot use {path} ({why}) nor {prev_path(path)} ({e}); start over with "
                         "--overwrite or a new --out_dir") from None
-    print(f"--resume: {path} is unusable ({why}); resuming from {prev_path(path)} (step {ck['iter_num']}) instead")
-    return ck, prev_path(path)
+    if os.path.exists(path):  # renamed, not deleted
+        os.replace(path, path.removesuffix('.pt') + '.unusable.pt')
+        why = f"{why}; kept as ckpt.unusable.pt"
+    print(f"--resume: {path} is unusable ({why}): resuming from {prev_path(path)} (step {ck['iter_num']}) instead")
+    return ck
 
 
 def truncate_metrics(path, step):
@@ -132,12 +138,11 @@ def truncate_metrics(path, step):
 
 
 def resume(cfg, given, path, model, optimizer, split, engines, rank):
-    """The counters to start from (FRESH's, or with --resume the checkpoint's, its weights,
-    optimizer state, split and loss scales loaded) and `keep_as`: where the next save keeps
-    an unusable ckpt.pt that the run resumed past (None: ckpt.prev.pt, as always). Rank 0
+    """The counters to start from, FRESH's values: a new run's, or with --resume the checkpoint's
+    (its weights, optimizer state, split and loss scales loaded). Rank 0
     alone reads the checkpoint (the others may be on machines without it) and under torchrun
     every rank starts from its state: the checkpoint, or rank 0's fresh weights."""
-    ck, used = load_checkpoint(path, 'cpu') if cfg.resume and rank == 0 else (None, path)
+    ck = load_checkpoint(path, 'cpu') if cfg.resume and rank == 0 else None
     if distributed.world()[1] > 1:
         ck = distributed.from_rank0(ck or dict(model={k: v.cpu() for k, v in model.state_dict().items()}))
     try:  # this run's model and its optimizer's state, or one clear line
@@ -151,7 +156,7 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
         raise UserError(f"{path} does not fit this run ({' '.join(str(e).split())[:300]}): give the "
                         "flags of its model, or a new --out_dir") from None
     if not cfg.resume:
-        return dict(FRESH, keep_as=None)
+        return tuple(FRESH.values())
     if 'ane_fraction' in given and cfg.mode == 'hetero':
         print(f"--ane_fraction {cfg.ane_fraction} given: it replaces the checkpoint's split of the microbatches")
     else:
@@ -164,9 +169,8 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
             e.scaler.scale = ck['loss_scales'][n]
     if rank == 0:
         truncate_metrics(os.path.join(cfg.out_dir, 'metrics.jsonl'), ck['iter_num'])
-    print(f"resumed from {used} at step {ck['iter_num']}")
-    keep_as = path.removesuffix('.pt') + '.unusable.pt' if used != path and os.path.exists(path) else None
-    return {k: ck.get(k, v) for k, v in FRESH.items()} | dict(keep_as=keep_as)
+    print(f"resumed from the checkpoint of step {ck['iter_num']}")
+    return tuple(ck.get(k, v) for k, v in FRESH.items())
 
 
 def diverged(cfg, it, bad, loss, engines, path):

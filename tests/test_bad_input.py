@@ -197,14 +197,16 @@ def test_a_broken_checkpoint_is_one_clear_line(data_dir, run_dir, capsys, damage
     assert files(run_dir) == before
 
 
-def test_a_broken_checkpoint_points_to_the_one_before(data_dir, run_dir, capsys):
-    # ckpt.pt damaged, ckpt.prev.pt fine: the line says so and how to use it; nothing moves
+def test_a_broken_checkpoint_resumes_from_the_one_before(data_dir, run_dir, capsys):
+    # ckpt.pt damaged, ckpt.prev.pt fine: the run says so in one line and continues from step 5;
+    # the damaged file is kept under another name, ckpt.prev.pt is not replaced by it
     (run_dir / 'ckpt.pt').write_bytes(b'\0' * 100)
-    before = files(run_dir)
-    assert main(data_dir, run_dir, '--max_iters', '20', '--resume') == 2
-    line = error(capsys)
-    assert 'ckpt.prev.pt (step 5) is usable' in line and 'mv ' in line
-    assert files(run_dir) == before
+    assert main(data_dir, run_dir, '--max_iters', '10', '--resume') == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if 'unusable' in line]
+    assert len(said) == 1 and 'ckpt.prev.pt (step 5) instead' in said[0]
+    assert (run_dir / 'ckpt.unusable.pt').read_bytes() == b'\0' * 100
+    assert torch.load(run_dir / 'ckpt.pt', weights_only=True)['iter_num'] == 10
+    assert torch.load(run_dir / 'ckpt.prev.pt', weights_only=True)['iter_num'] == 5
 
 
 def test_resume_drops_the_rows_past_its_checkpoint(data_dir, run_dir, capsys):

@@ -118,7 +118,8 @@ def test_resume_falls_back_to_prev_and_keeps_the_unusable_file(data_dir, tmp_pat
     capsys.readouterr()
     rows = run(data_dir, out, '--max_iters', '6', '--eval_interval', '2', '--resume')
     said = capsys.readouterr().out
-    assert "is unusable" in said and "resuming from" in said and "ckpt.prev.pt (step 2) instead" in said
+    assert "is unusable" in said and "ckpt.prev.pt (step 2) instead" in said
+    assert ("kept as ckpt.unusable.pt" in said) == (damage == 'truncated')
     same = lambda r: {k: v for k, v in r.items() if 'per_s' not in k and k != 'elapsed'}
     assert [same(r) for r in rows] == [same(r) for r in whole]  # continued exactly from step 2
     assert steps(out) == {'ckpt.pt': 6, 'ckpt.prev.pt': 4}
@@ -157,10 +158,10 @@ def test_best_checkpoint_and_patience(data_dir, tmp_path, monkeypatch, capsys, c
     best = checkpoints.read_checkpoint(str(out / 'best.pt'), 'cpu')
     assert best['iter_num'] == 8 and best['best_val_loss'] == 3.9
     said = capsys.readouterr().out
-    assert 'step 12: 2 evaluations without a lower validation loss than 3.9000 (--patience 2): stopped early' in said
+    assert 'step 12: stopped early, 2 evaluations without a lower validation loss (--patience)' in said
     assert f"best validation loss 3.9000: {out / 'best.pt'}" in said
     run(data_dir, out, '--max_iters', '20', '--eval_interval', '2', '--patience', '2', '--resume')
-    assert 'evaluations past the best validation loss (--patience 2): no steps to train' in capsys.readouterr().out
+    assert 'step 12, 2 evaluations past the best (--max_iters 20, --patience 2): no steps to train' in capsys.readouterr().out
 
     # interrupted at step 7 and resumed: the same stop, the same best
     ScriptedValidation(monkeypatch, curve[:3])
