@@ -1272,8 +1272,8 @@ def setup(cfg, given, log=print):
 
 def train(cfg, given=frozenset()):
     rank, world = distributed.join_ranks(cfg)
-    init = cfg.init_from != 'scratch' and distributed.rank0_first(lambda: pretrained.configure(cfg, given, cfg.init_from))
-    device, dtype = setup(cfg, given | (set(pretrained.MODEL_FLAGS) if init else set()))  # (the model's size: init's)
+    init, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given))  # (rank 0 downloads)
+    device, dtype = setup(cfg, given | fixed)  # the flags init fixed, as if given: no machine default for them
     old_run = checkpoints.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
     data = distributed.rank0_first(lambda: load_data(cfg))  # (rank 0 prepares a set that is missing)
     torch.manual_seed(cfg.seed)

@@ -57,23 +57,26 @@ def model_args(path):
     return args
 
 
-def configure(cfg, given, init_from):
-    """Sets cfg's model to the checkpoint's; returns its folder. A model flag given that
-    disagrees is an error; a shorter --block_size keeps the first positions (as nanoGPT's
-    crop_block_size), and a longer one than the checkpoint's is an error."""
-    path = folder(init_from)
+def configure(cfg, given):
+    """Sets cfg's model to --init_from's: (its folder, the flags it fixed), (None, set()) for
+    scratch. A model flag given that disagrees is an error; a shorter --block_size keeps the
+    first positions (as nanoGPT's crop_block_size), a longer one is an error."""
+    if cfg.init_from == 'scratch':
+        return None, set()
+    path = folder(cfg.init_from)
     args = model_args(path)
     for k in MODEL_FLAGS:
         if k in given and getattr(cfg, k) != args[k]:
-            raise UserError(f"--{k} {getattr(cfg, k)} disagrees with --init_from {init_from} ({k}={args[k]}): "
+            raise UserError(f"--{k} {getattr(cfg, k)} disagrees with --init_from {cfg.init_from} ({k}={args[k]}): "
                             "leave it out, the model's size comes from the checkpoint")
         setattr(cfg, k, args[k])
-    if cfg.block_size > args['block_size']:
-        if 'block_size' in given:
-            raise UserError(f"--block_size {cfg.block_size}: --init_from {init_from} has {args['block_size']} "
-                            "positions; a shorter context keeps the first ones")
-        cfg.block_size = args['block_size']
-    return path
+    if cfg.block_size <= args['block_size']:
+        return path, set(MODEL_FLAGS)
+    if 'block_size' in given:
+        raise UserError(f"--block_size {cfg.block_size}: --init_from {cfg.init_from} has {args['block_size']} "
+                        "positions; a shorter context keeps the first ones")
+    cfg.block_size = args['block_size']
+    return path, set(MODEL_FLAGS) | {'block_size'}
 
 
 def state_dict(path, block_size):

@@ -310,3 +310,24 @@ def test_core_ml_errors_in_one_line():
     nested = RuntimeError('{\n    NSLocalizedDescription = "The \\"head\\" failed.";\n    NSUnderlyingError = 0x6000 '
                           '{Error Domain=com.apple.CoreML Code=0 "(null)" UserInfo={NSLocalizedDescription=inner}};\n}')
     assert settings.one_line(nested) == 'RuntimeError: The "head" failed.'
+
+
+def test_fine_tuning_gpt2_through_core_ml_then_sampling(shakespeare, tmp_path):
+    # a tiny GPT-2 written by Hugging Face's code, aligned as the ANE needs; the Mac's default
+    # run fine-tunes it on both engines, its programs exported and compiled for that size
+    transformers = pytest.importorskip('transformers')
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=32))
+    hf.save_pretrained(tmp_path / 'hf')
+    cwd = cwd_with_data(shakespeare, tmp_path)
+    untiny = TRAIN[:2] + TRAIN[2 + len(TINY):]  # the size comes from the checkpoint
+    r = mac([os.path.join(ROOT, 'hetero_gpt.py'), *untiny, '--init_from', 'hf', '--max_iters', '4', '--ane_fraction',
+             '0.5', '--learning_rate', '1e-3', '--warmup_iters', '0', '--min_lr', '1e-3'], cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 'mode hetero' in r.stdout and 'Core ML programs' in r.stdout
+    assert sorted(e[1] for e in coreml_log(cwd) if e[0] == 'compile') == sorted(
+        os.path.join('out', 'ane_B2_T32', f'{p}.mlpackage') for p in ('block_forward', 'block_backward', 'head'))
+    vals = [row['val_loss'] for row in rows(cwd) if 'val_loss' in row]
+    assert all('ane_loss' in row for row in rows(cwd) if 'loss' in row) and vals[-1] < vals[0]
+    s = mac([os.path.join(ROOT, 'sample.py'), '--start', 'ROMEO:', '--num_samples', '1', '--max_new_tokens', '5'], cwd)
+    assert s.returncode == 0 and s.stdout.startswith('ROMEO:') and 'best.pt' in s.stderr, s.stderr[-2000:]
