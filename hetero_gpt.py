@@ -1283,19 +1283,21 @@ def train(cfg, given=frozenset()):
     model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log)
     split = step.split
     if init and rank == 0 and not cfg.resume:  # (under torchrun the other ranks get rank 0's weights)
-        model.load_state_dict(pretrained.state_dict(init, cfg.block_size))
+        pretrained.load(model, cfg.init_from)
     it, tokens, elapsed, best_val, since_best = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, split,
                                                                    engines, rank)
-    bad = 0  # steps in a row without a usable gradient
+    bad, best_due = 0, False  # steps in a row without a usable gradient; a best not saved yet
     for path in old_run if rank == 0 else []:  # (--overwrite)
         os.remove(path)
 
-    def checkpoint(best=False):
+    def checkpoint(best=False):  # best: also as best.pt
+        nonlocal best_due
         if rank == 0:
             counters = dict(iter_num=it, tokens=tokens, elapsed=elapsed, best_val_loss=best_val,
                             evals_since_best=since_best)
             checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines, **counters),
                                         best)
+        best_due = False
 
     print(f"GPT-2 {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | mode {cfg.mode} | "
           + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}"
@@ -1354,18 +1356,19 @@ def train(cfg, given=frozenset()):
                 if scheduled:  # (timed evaluations: each rank's own time, no collective)
                     distributed.check_same_weights(model, it)
                 val = evaluate(model, evaluator, cfg, data['val'])
+                val = distributed.from_rank0(val) if scheduled else val  # one stop decision for all ranks
                 row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
                     val_loss=val, val_ppl=math.exp(min(val, 50)))
             saving = scheduled and (not bad or it == cfg.max_iters)  # not after a dropped step, nor timed evals
             if saving:  # the run's best, and evaluations since
-                improved, best_val = val < best_val, min(best_val, val)
-                since_best = 0 if improved else since_best + 1
+                best_due, best_val = val < best_val, min(best_val, val)
+                since_best = 0 if best_due else since_best + 1
             stop = it >= cfg.max_iters or 0 < cfg.patience <= since_best
             if row:  # the log first: a resumed run never lacks a row
                 metrics.write(json.dumps(row) + '\n')
                 metrics.flush()
                 if saving:
-                    checkpoint(best=improved)
+                    checkpoint(best=best_due)
                 bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
                                  if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches')})
                 if bar.disable:
@@ -1374,7 +1377,7 @@ def train(cfg, given=frozenset()):
         if it < cfg.max_iters:
             print(f"step {it}: stopped early, {since_best} evaluations without a lower validation loss (--patience)")
     except KeyboardInterrupt:
-        checkpoint()
+        checkpoint(best_due)
         print(f"\ninterrupted: checkpoint saved at step {it} in {ckpt_path}; continue with --resume")
         return model
     finally:
@@ -1382,20 +1385,17 @@ def train(cfg, given=frozenset()):
         meter.close()
         metrics.close()
     distributed.leave()
-    best = checkpoints.best_path(ckpt_path)
-    if rank == 0 and os.path.exists(best):
-        print(f"best validation loss {best_val:.4f}: {best}")
-    if cfg.sample_tokens > 0 and rank == 0:  # training has succeeded: a tokenizer that fails is one line
+    if cfg.sample_tokens > 0 and rank == 0:  # training has succeeded: a failure here is one line
         try:
             enc = prepare_data.get_encoding()
-        except prepare_data.DataError as e:
-            return print(f"no sample: {e}", file=sys.stderr) or model
-        sampler = GPT(model.config).to(device)  # the best weights
-        sampler.load_state_dict(checkpoints.read_checkpoint(best, 'cpu')['model'] if os.path.exists(best) else
-                                model.state_dict())
+            best = checkpoints.read_checkpoint(checkpoints.best_path(ckpt_path), 'cpu')
+        except (prepare_data.DataError, ValueError) as e:
+            return print(f"no sample: {e}" + (' (best.pt)' if isinstance(e, ValueError) else ''), file=sys.stderr) or model
+        model.load_state_dict(best['model'])  # the run ends holding its best weights
         with evaluator.autocast:
-            ids = sampler.generate(torch.tensor([enc.encode('\n')], device=device), cfg.sample_tokens, vocab=enc.n_vocab)
-        print(f"---- sample{' (best.pt)' if os.path.exists(best) else ''} ----\n" + enc.decode(ids[0].tolist()))
+            ids = model.generate(torch.tensor([enc.encode('\n')], device=device), cfg.sample_tokens, vocab=enc.n_vocab)
+        print(f"---- sample from best.pt (step {best['iter_num']}, validation loss {best['best_val_loss']:.4f}) ----\n"
+              + enc.decode(ids[0].tolist()))
     return model
 
 

@@ -5,7 +5,6 @@ or OpenAI's GPT-2 itself (--init_from gpt2, or a local folder in Hugging Face's 
     python sample.py --out_dir out --start "ROMEO:" --num_samples 3
     python sample.py --init_from gpt2 --start FILE:prompt.txt --max_new_tokens 100
 """
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -35,27 +34,27 @@ def load_model(cfg):
     """(GPT with the weights cfg names, where they came from); UserError (one line) if none fit."""
     if cfg.init_from:
         path = pretrained.folder(cfg.init_from)
-        args = pretrained.model_args(path)
-        model = hg.GPT(hg.GPTConfig(**args))
-        model.load_state_dict(pretrained.state_dict(path, args['block_size']))
-        return model, path
-    best, last = checkpoints.best_path(os.path.join(cfg.out_dir, 'ckpt.pt')), os.path.join(cfg.out_dir, 'ckpt.pt')
-    path = best if os.path.exists(best) else last
-    try:
-        ck = checkpoints.read_checkpoint(path, 'cpu')
-        model = hg.GPT(hg.GPTConfig(**ck['model_args']))
-        model.load_state_dict(ck['model'])
-    except (ValueError, TypeError, RuntimeError) as e:  # absent, damaged, another model's
-        raise UserError(f"{path}: {' '.join(str(e).split())[:200]}; train with `python hetero_gpt.py "
-                        f"--out_dir {cfg.out_dir}` or pass --init_from gpt2") from None
-    return model, f"{path} (step {ck['iter_num']})"
+        model = hg.GPT(hg.GPTConfig(**pretrained.model_args(path)))
+        return model, pretrained.load(model, cfg.init_from)
+    why = []
+    for path in (os.path.join(cfg.out_dir, 'best.pt'), os.path.join(cfg.out_dir, 'ckpt.pt')):
+        try:
+            ck = checkpoints.read_checkpoint(path, 'cpu')
+            model = hg.GPT(hg.GPTConfig(**ck['model_args']))
+            model.load_state_dict(ck['model'])
+            return model, f"{path} (step {ck['iter_num']})"
+        except (ValueError, TypeError, RuntimeError) as e:  # absent, damaged, another model's
+            why.append(f"{path}: {' '.join(str(e).split())[:150]}")
+    raise UserError(f"{'; '.join(why)}; train with `python hetero_gpt.py --out_dir {cfg.out_dir}` or pass "
+                    "--init_from gpt2")
 
 
 def check(cfg):
     for flag, ok in (('num_samples', cfg.num_samples >= 1), ('max_new_tokens', cfg.max_new_tokens >= 1),
-                     ('top_k', cfg.top_k >= 1), ('temperature', math.isfinite(cfg.temperature) and cfg.temperature > 0)):
-        if not ok:
-            raise UserError(f"--{flag} {getattr(cfg, flag)}: must be {'above 0' if flag == 'temperature' else '1 or more'}")
+                     ('top_k', cfg.top_k >= 1), ('temperature', 0.01 <= cfg.temperature <= 100)):
+        if not ok:  # (a temperature under 0.01 overflows the softmax: --top_k 1 picks the likeliest)
+            raise UserError(f"--{flag} {getattr(cfg, flag)}: must be "
+                            + ('from 0.01 to 100' if flag == 'temperature' else '1 or more'))
 
 
 def prompt(cfg, enc, block_size):

@@ -55,16 +55,21 @@ def state(cfg, model, optimizer, split, engines, **counters):
 def save_checkpoint(path, obj, best=False):
     """ckpt.pt is there and whole at every moment: the new checkpoint is written to a
     temporary file and synced to disk; the current one gets a second name, ckpt.prev.pt;
-    then os.replace, atomic, gives the new one the name ckpt.pt (and best.pt, if best)."""
+    then os.replace, atomic, gives the new one the name ckpt.pt. best: best.pt names it
+    first (a run killed before ckpt.pt does replays to the same best)."""
     with open(path + '.tmp', 'wb') as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+        durable(f)
+    if best:
+        link(path + '.tmp', best_path(path))
     if os.path.exists(path):
         link(path, prev_path(path))
     os.replace(path + '.tmp', path)
-    if best:
-        link(path, best_path(path))
+
+
+def durable(f):
+    f.flush()
+    os.fsync(f.fileno())  # (macOS: to the drive's cache; F_FULLFSYNC would reach the platter)
 
 
 def link(src, dst):
@@ -74,7 +79,9 @@ def link(src, dst):
     try:
         os.link(src, dst + '.tmp')
     except OSError:  # a file system without hard links
-        shutil.copyfile(src, dst + '.tmp')
+        with open(src, 'rb') as a, open(dst + '.tmp', 'wb') as b:
+            shutil.copyfileobj(a, b)
+            durable(b)
     os.replace(dst + '.tmp', dst)
 
 
@@ -91,7 +98,7 @@ def read_checkpoint(path, device):
     try:  # weights_only: plain data and tensors, never code from a foreign pickle
         with warnings.catch_warnings():  # (a foreign pickle's protocol draws a warning first)
             warnings.simplefilter('ignore')
-            ck = torch.load(path, map_location=device, weights_only=True)
+            ck = torch.load(path, map_location=device, weights_only=True, mmap=True)  # (mmap: read as used)
     except Exception as e:  # absent, empty, truncated, random bytes, another kind of pickle
         if isinstance(e, FileNotFoundError):
             raise ValueError('no checkpoint there') from None

@@ -21,10 +21,10 @@ def ckpt(step):
     return {k: torch.full((4096,), float(step)) if k == 'model' else step for k in checkpoints.CKPT_KEYS}
 
 
-def steps(d):
-    """iter_num of each run file in folder d that loads (None: missing or unusable)."""
+def steps(d, names=('ckpt.pt', 'ckpt.prev.pt')):
+    """iter_num of each of these run files in folder d (None: missing or unusable)."""
     out = {}
-    for name in ('ckpt.pt', 'ckpt.prev.pt'):
+    for name in names:
         try:
             out[name] = checkpoints.read_checkpoint(str(d / name), 'cpu')['iter_num']
         except ValueError:
@@ -32,7 +32,7 @@ def steps(d):
     return out
 
 
-def save_killed_at(k, path, obj, links=True):
+def save_killed_at(k, path, obj, links=True, best=False):
     """save_checkpoint in a forked child that SIGKILLs itself at its k-th file operation (a
     torch.save is killed halfway through its bytes). True if it was killed before finishing."""
     pid = os.fork()
@@ -64,38 +64,44 @@ def save_killed_at(k, path, obj, links=True):
         os.link = hooked(os.link) if links else no_link
         torch.save = half_save
         try:
-            checkpoints.save_checkpoint(path, obj)
+            checkpoints.save_checkpoint(path, obj, best)
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
     return os.WIFSIGNALED(status)
 
 
+@pytest.mark.parametrize('best', [False, True], ids=['last', 'best'])
 @pytest.mark.parametrize('links', [True, False], ids=['hard links', 'copies'])
-def test_ckpt_is_there_and_loads_at_every_point_of_a_save(tmp_path, links):
+def test_ckpt_is_there_and_loads_at_every_point_of_a_save(tmp_path, links, best):
     first = tmp_path / 'first'
     first.mkdir()
     for s in (1, 2):
-        checkpoints.save_checkpoint(str(first / 'ckpt.pt'), ckpt(s))
-    assert steps(first) == {'ckpt.pt': 2, 'ckpt.prev.pt': 1}
+        checkpoints.save_checkpoint(str(first / 'ckpt.pt'), ckpt(s), best=s == 1)
+    every = ('ckpt.pt', 'ckpt.prev.pt', 'best.pt')
+    assert steps(first, every) == {'ckpt.pt': 2, 'ckpt.prev.pt': 1, 'best.pt': 1}
     k, killed_at = 0, []
     while True:
         k += 1
         d = tmp_path / f'k{k}'
         shutil.copytree(first, d)
-        killed = save_killed_at(k, str(d / 'ckpt.pt'), ckpt(3), links)
-        s = steps(d)
+        killed = save_killed_at(k, str(d / 'ckpt.pt'), ckpt(3), links, best)
+        s = steps(d, every)
+        # best.pt: the old best, or (best) already the new one; whole, never missing
+        assert s.pop('best.pt') in ((1, 3) if best else (1,)), (k, s)
         # at every point: ckpt.pt is the old or the new one, never missing or half written;
         # ckpt.prev.pt is the older one, or already a second name of ckpt.pt's file
         assert s['ckpt.pt'] in (2, 3) and s['ckpt.prev.pt'] in (1, 2) and s['ckpt.prev.pt'] <= s['ckpt.pt'], (k, s)
         checkpoints.save_checkpoint(str(d / 'ckpt.pt'), ckpt(4))  # the next save clears what the killed one left
         assert steps(d)['ckpt.pt'] == 4 and steps(d)['ckpt.prev.pt'] in (2, 3)
         if not killed:
-            assert s == {'ckpt.pt': 3, 'ckpt.prev.pt': 2}
+            assert s == {'ckpt.pt': 3, 'ckpt.prev.pt': 2} and steps(d, every)['best.pt'] == (3 if best else 1)
             break
         killed_at.append((k, s['ckpt.pt']))
-    # write (killed mid-bytes), fsync, link or copy, rename of prev, rename of the new one: 5 points
-    assert [s for _, s in killed_at] == [2, 2, 2, 2, 2] and k == 6, killed_at
+    # write (killed mid-bytes), fsync, (best: its link or copy and fsync, its rename), prev's
+    # link or copy (and fsync), its rename, the new one's rename
+    points = 5 + (0 if links else 1) + (0 if not best else 2 if links else 3)
+    assert [s for _, s in killed_at] == [2] * points and k == points + 1, killed_at
 
 
 def run(data_dir, out, *flags):
@@ -159,7 +165,6 @@ def test_best_checkpoint_and_patience(data_dir, tmp_path, monkeypatch, capsys, c
     assert best['iter_num'] == 8 and best['best_val_loss'] == 3.9
     said = capsys.readouterr().out
     assert 'step 12: stopped early, 2 evaluations without a lower validation loss (--patience)' in said
-    assert f"best validation loss 3.9000: {out / 'best.pt'}" in said
     run(data_dir, out, '--max_iters', '20', '--eval_interval', '2', '--patience', '2', '--resume')
     assert 'step 12, 2 evaluations past the best (--max_iters 20, --patience 2): no steps to train' in capsys.readouterr().out
 
