@@ -28,6 +28,7 @@ p.add_argument('--rounds', type=int, default=1,
                help='nanoGPT and ours take turns this many times; a cell is the median of its rounds')
 p.add_argument('--like_for_like', action='store_true',
                help='only bias=False against --bias False (no rows with biases)')
+p.add_argument('--fast', action='store_true', help="ours (and --also) with tools/fast_standin.py's padded LM head")
 p.add_argument('--also', default='', help="another tree of this repository (e.g. the commit before a change), "
                "timed like ours, --bias False, in the same turns")
 a = p.parse_args()
@@ -51,12 +52,13 @@ for setting in a.settings.split(','):
     dtype, compile = setting.split('+')[0], setting.endswith('+compile')
     nano = lambda bias: run([sys.executable, 'bench.py', '--real_data=False', f'--dtype={dtype}',
                              f'--compile={compile}', f'--bias={bias}'], cwd=a.nanogpt)
+    flags = (['--compile'] if compile else []) + (['--fast'] if a.fast else [])
     ours = lambda bias, *more: run([sys.executable, os.path.join(here, 'bench_gpu.py'), '--dtype', dtype, '--bias', bias]
-                                   + (['--compile'] if compile else []) + list(more))
+                                   + flags + list(more))
     cells = {'nanoGPT': lambda: nano(False), 'ours': lambda: ours('False')}
     if a.also:
         cells['also'] = lambda: run([sys.executable, os.path.join(a.also, 'benchmarks', 'bench_gpu.py'), '--dtype', dtype,
-                                     '--bias', 'False'] + (['--compile'] if compile else []))
+                                     '--bias', 'False'] + flags)
     if not a.like_for_like and not compile:  # bench.py compiles the same way either way
         cells |= {'nanoGPT bias': lambda: nano(True), 'ours bias': lambda: ours('True')}
     times = {k: [] for k in cells}
