@@ -171,7 +171,9 @@ class WorkerEngine:
         w = self.bufs.w
         if {k: tuple(p.shape) for k, p in params.items()} != {k: v.shape for k, v in w.items()}:
             raise UserError(f"the ANE worker was started for another model ({self.spec['cfg']})")
-        with torch.no_grad():  # once per step, in one call (as the gradients: loss_and_grads)
+        # once per step, in one call: its generated binding releases the GIL once (gil_scoped_release in
+        # each dispatch lambda, pytorch tools/autograd/gen_python_functions.py), not once per tensor
+        with torch.no_grad():
             torch._foreach_copy_([torch.from_numpy(v) for v in w.values()], [params[k] for k in w])
         self.new_weights = True
 
@@ -192,9 +194,9 @@ class WorkerEngine:
         self.seconds, self.slowest = seconds, max(self.slowest, seconds / b)
         self.scaler.peak = max(self.scaler.peak, peak)
         # one copy of the whole block, into NumPy's memory (huge pages on Linux: few page faults, numpy
-        # alloc.c). A torch op's binding releases the GIL while it runs (pybind11::gil_scoped_release,
-        # pytorch tools/autograd/gen_python_functions.py); beside a busy thread, taking it back waits up
-        # to the switch interval: once here, not once per tensor (from_numpy and NumPy views keep it)
+        # alloc.c). copy_ releases the GIL while it runs (pybind11::gil_scoped_release in dispatch_copy_,
+        # pytorch torch/csrc/autograd/python_variable_methods.cpp); beside a busy thread, taking it back
+        # waits up to the switch interval: once here, not once per tensor (from_numpy and views keep it)
         flat = np.empty_like(self.bufs.flat['g'])
         torch.from_numpy(flat).copy_(torch.from_numpy(self.bufs.flat['g']))
         return torch.tensor(loss), {k: torch.from_numpy(v) for k, v in views(flat, self.spec['shapes']).items()}
