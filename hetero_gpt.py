@@ -595,8 +595,8 @@ def eager_loss_and_grads(ops, cfg, w, idx, targets, loss_scale):
 
 
 def grads_finite(grads):
-    """Whether every gradient is finite (a norm is finite iff all its values are): one wait."""
-    return bool(torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all())  # one launch
+    """Whether every gradient is finite (a norm is finite iff all its values are), on their device."""
+    return torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all()  # one launch
 
 # -----------------------------------------------------------------------------
 # 4. The Core ML programs: the same derivation, recorded by coremltools' MIL builder.
@@ -899,11 +899,9 @@ class AutogradEngine(Engine):
         self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
 
     def loss_and_grads(self, idx, targets):
-        for _, p in self.params:
-            p.grad = None
+        self.model.zero_grad(set_to_none=True)
         with self.autocast:  # the forward only: backward ops take their forward's dtypes
-            _, loss = self.forward(idx.to(self.device, non_blocking=True),
-                                   targets.to(self.device, non_blocking=True))
+            _, loss = self.forward(idx.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
         if self.scaler.enabled:  # unscale in fp32: the master weights' gradients are fp32
             (loss * self.scaler.scale).backward()
             return loss.detach(), {n: p.grad / self.scaler.scale for n, p in self.params}
@@ -942,11 +940,9 @@ class LossScaler:
         self.window, self.enabled, self.good, self.limit, self.peak = window, enabled, 0, limit, 0.0
 
     def update(self, finite):
-        if not self.enabled:
-            return
-        if not finite:
+        if self.enabled and not finite:
             self.scale, self.good, self.peak = max(self.scale / 2, 1.0), 0, 0.0
-        else:
+        elif self.enabled:
             self.good += 1
             if self.good >= self.window:
                 if 2 * self.peak < self.limit:  # doubled, the window's largest value stays under limit
@@ -966,8 +962,7 @@ class Split:
     def __init__(self, n, fraction='auto'):
         self.n, self.auto = n, fraction == 'auto'
         self.k = n // 2 if self.auto else round(float(fraction) * n)
-        self.sec = {}  # engine name -> smoothed seconds per microbatch
-        self.steps = 0
+        self.sec, self.steps = {}, 0  # engine name -> smoothed seconds per microbatch; steps assigned
 
     def current(self, alive):
         """The ANE's share of the microbatches, given which engines are alive."""
@@ -1001,64 +996,66 @@ class Split:
         self.k, self.sec, self.steps = s['k'] if s.get('n', self.n) == self.n else self.k, s['sec'], s['steps']
 
 
-def run_engine(engine, microbatches):
-    """Thread body: forward+backward of each microbatch; the sum of their gradients."""
-    t0 = time.perf_counter()
-    acc, loss = None, 0.0
+def run_engine(engine, microbatches, wait=True):
+    """Thread body: forward+backward of each microbatch; the sums of their gradients and losses, and
+    whether all is finite, on the device. wait: read here, so that seconds hold the device's work."""
+    t0, acc, loss = time.perf_counter(), None, 0.0
     for idx, targets in microbatches:
         l, g = engine.loss_and_grads(idx, targets)
         if acc is None:
             acc = g  # each call's tensors are its own: the sums go into the first
         else:  # one launch, not one per tensor (benchmarks/RESULTS.md, 14)
             torch._foreach_add_(list(acc.values()), list(g.values()))
-        loss = loss + l.float()  # a tensor: no wait for the device until the end
-    finite = grads_finite(acc | {'loss': loss.reshape(1)})  # the one wait for the device
-    return dict(grads=acc, loss=float(loss), finite=finite, n=len(microbatches), seconds=time.perf_counter() - t0)
+        loss = loss + l.float()  # a tensor: no wait for the device
+    r = dict(grads=acc, loss=loss, finite=grads_finite(acc | {'loss': loss.reshape(1)}), n=len(microbatches), t0=t0)
+    if wait:  # the host reads them: the one wait for the device (seconds: the split's)
+        r |= dict(loss=float(loss), finite=bool(r['finite']), seconds=time.perf_counter() - t0)
+    return r
 
 
-def merge(a, b):
-    """Two runs of one engine (run_engine's results) as one: b's gradients added into a's."""
-    for k, v in a['grads'].items():
-        v.add_(b['grads'][k])
+def merge(a, b):  # two settled runs of one engine as one: b's gradients added into a's
+    torch._foreach_add_(list(a['grads'].values()), [b['grads'][k] for k in a['grads']])  # one launch
     return a | dict(loss=a['loss'] + b['loss'], n=a['n'] + b['n'], finite=a['finite'] and b['finite'])
 
 
 class HeteroStep:
-    """One optimizer step over a list of microbatches (all of B*T tokens), on one or both
-    engines, each in its own thread from the same weights. The mean gradient is the sum of
-    both engines' sums over the count of microbatches that contributed: an engine whose
-    gradients are not finite is left out (the mean over the other's is still unbiased); one
-    that raises on a valid batch is retired and the other runs its share (an invalid batch
-    stops the run first). Under torchrun the ranks' sums and counts are added first."""
+    """One optimizer step over a list of microbatches (all of B*T tokens), on one or both engines, each in its
+    own thread from the same weights. The mean gradient is the sum of both engines' sums over the count of
+    microbatches that contributed: an engine whose gradients are not finite is left out (the mean over the
+    other's is still unbiased); one that raises on a valid batch is retired and the other runs its share (an
+    invalid batch stops the run first). Under torchrun the ranks' sums and counts are added first."""
 
     def __init__(self, model, engines, split, log=print, optimizer=None):
-        self.model, self.engines, self.split, self.log = model, engines, split, log
-        self.optimizer = optimizer
-        self.params = dict(model.named_parameters())
-        self.alive = set(engines)
+        self.model, self.engines, self.split, self.log, self.optimizer = model, engines, split, log, optimizer
+        self.params, self.alive = dict(model.named_parameters()), set(engines)
         # one long-lived thread per engine: CUDA sets up each new one
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
         self.skipped = 0  # steps with no usable gradient at all (no update)
+        # AdamW skipped on the device where a gradient is not finite (scale 1: nothing is scaled here)
+        self.master = next(iter(self.params.values()))
+        dev = self.master.device  # (MPS: the flags are read first, coreml_and_ane.md section 6)
+        self.guard = torch.amp.GradScaler(dev.type, init_scale=1.0, enabled=dev.type in ('cuda', 'cpu'))
+        self.guard.scale(torch.ones((), device=dev))  # (makes its scale there)
 
     def check(self, microbatches):  # a batch the model cannot take: bad data, not a faulty engine
         try:
             for idx, targets in microbatches:
                 check_batch(self.model.config, idx, targets)
         except ValueError as e:
-            raise UserError(f"a microbatch of this step is no valid input ({e}): the data is at fault, "
-                            "not an engine") from None
+            raise UserError(f"a microbatch is no valid input ({e}): the data is at fault, not an engine") from None
 
     def __call__(self, microbatches):
         """The mean gradient into p.grad; returns dict(loss, n, used, results)."""
         self.check(microbatches)
         k = self.split.assign(self.alive)
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
-        for name in self.alive:
-            if name != 'gpu' and shares[name]:
-                self.engines[name].load_weights(self.params)
-        # each engine in its own thread; the ANE worker's thread waits without the GIL
-        futures = {n: self.threads[n].submit(run_engine, self.engines[n], shares[n]) for n in self.alive if shares[n]}
+        for name in (n for n in self.alive - {'gpu'} if shares[n]):  # this step's weights
+            self.engines[name].load_weights(self.params)
+        # each engine in its own thread (the ANE worker's waits without the GIL); the GPU's alone: no wait
+        wait = any(shares[n] for n in self.alive - {'gpu'}) or not self.guard.is_enabled() or distributed.world()[1] > 1
+        futures = {n: self.threads[n].submit(run_engine, self.engines[n], shares[n], wait)
+                   for n in self.alive if shares[n]}
         results, errors = {}, {}
         for name, f in futures.items():
             try:
@@ -1069,8 +1066,7 @@ class HeteroStep:
         return self._combine(results)
 
     def _recover(self, results, errors, shares):
-        """An engine that raised is reported once and retired; the other engine then runs
-        its microbatches too, so the step still averages over its whole batch."""
+        """An engine that raised is reported and retired; the other runs its microbatches too (the whole batch)."""
         self.alive -= set(errors)
         for name, error in errors.items():
             self.dropped[name] += 1
@@ -1088,20 +1084,19 @@ class HeteroStep:
             results[other] = merge(results[other], redo) if other in results else redo
 
     def _combine(self, results):
-        used = {}
-        for name, r in results.items():
-            self.engines[name].scaler.update(r['finite'])
-            if r['finite']:
-                used[name] = r
-            else:
-                self.dropped[name] += 1
         if len(results) == 2:
             self.split.observe({n: r['seconds'] / r['n'] for n, r in results.items()})
+        for name, r in results.items():  # a flag the host read counts now; a pending one in update()
+            if 'seconds' in r:
+                self.engines[name].scaler.update(r['finite'])
+                self.dropped[name] += not r['finite']
+        used = {n: r for n, r in results.items() if 'seconds' not in r or r['finite']}
         n, loss = sum(r['n'] for r in used.values()), sum(r['loss'] for r in used.values())
-        master = next(iter(self.params.values())).device
-        total = None
+        master, total = self.master, None
         for r in used.values():  # the engines' sums are their own buffers: added to in place
-            g = [r['grads'][pn].to(master, p.dtype) for pn, p in self.params.items()]
+            g = [r['grads'][k] for k in self.params]
+            if (g[0].device, g[0].dtype) != (master.device, master.dtype):  # an engine elsewhere
+                g = [t.to(master.device, master.dtype) for t in g]
             if total is not None:
                 torch._foreach_add_(g, total)  # one launch
             total = g
@@ -1112,21 +1107,29 @@ class HeteroStep:
         if n == 0:  # no usable gradient on any rank: no update
             self.skipped += 1
             return dict(loss=float('nan'), n=0, used=[], results=results)
-        torch._foreach_div_(total, float(n))
+        # a pending flag joins the count: 0 leaves no finite gradient, so the guard skips the update
+        torch._foreach_div_(total, math.prod(r['finite'] for r in used.values() if 'seconds' not in r) * float(n))
         for p, g in zip(self.params.values(), total):
-            p.grad = g.to(p.dtype)
+            p.grad = g
         return dict(loss=loss / n, n=n, used=sorted(used), results=results)
 
     def update(self, out, grad_clip=0.0):
-        """The step's one AdamW update from the mean gradient (clipped to norm grad_clip
-        when > 0), unless no engine's gradient was usable. Then the gradients are freed."""
+        """The step's one AdamW update from the mean gradient (clipped to norm grad_clip when > 0),
+        if any is usable and (on the device) finite; then a pending engine settled, the gradients freed."""
         if out['n']:
             if grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params.values(), grad_clip)
-            self.optimizer.step()
+            self.guard.step(self.optimizer)  # checks the gradients on the device; skips if one is not finite
+            self.guard.update(1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        for r in out['results'].values():  # the sums are in p.grad or freed
+        for name, r in out['results'].items():  # the sums are in p.grad or freed
             r.pop('grads', None)
+            if 'seconds' not in r:  # the update is queued: now the host reads them, as run_engine's wait
+                r |= dict(loss=float(r['loss']), finite=bool(r['finite']), seconds=time.perf_counter() - r['t0'])
+                self.engines[name].scaler.update(r['finite'])
+                self.dropped[name] += not r['finite']
+                self.skipped += not r['finite']
+                out |= dict(loss=r['loss'] / r['n']) if r['finite'] else dict(loss=float('nan'), n=0, used=[])
         return out
 
 

@@ -24,12 +24,16 @@ p.add_argument('--vocab_size', type=int, default=50257)
 p.add_argument('--batch_size', type=int, default=12)
 p.add_argument('--block_size', type=int, default=1024)
 p.add_argument('--bias', default='True', help="False: nanoGPT's bias=False (its bench.py default)")
+p.add_argument('--fast', action='store_true', help="tools/fast_standin.py's model: the LM head padded to 64 rows")
 a = p.parse_args()
 
 cfg, _ = hg.parse_args(['--device', 'cuda', '--dtype', a.dtype, '--vocab_size', str(a.vocab_size),
                         '--batch_size', str(a.batch_size), '--block_size', str(a.block_size),
                         '--gradient_accumulation_steps', '1', '--bias', a.bias] + (['--compile'] if a.compile else []))
 device, dtype = hg.setup(cfg, set())
+if a.fast:
+    from tools import fast_standin  # defines: install (its model in the reference's place)
+    fast_standin.install(cfg)
 torch.manual_seed(1337)
 model = hg.GPT(hg.model_config(cfg)).to(device)
 optimizer = hg.make_optimizer(model, cfg, device)
@@ -45,7 +49,7 @@ for k in range(30):
     times.append(time.perf_counter() - t0)
 timed = times[10:]
 ms = 1000 * sum(timed) / len(timed)
-print(f"heterogpt dtype={a.dtype} compile={a.compile} vocab={a.vocab_size} bias={a.bias} "
+print(f"heterogpt dtype={a.dtype} compile={a.compile} vocab={a.vocab_size} bias={a.bias} fast={a.fast} "
       f": time per iteration: {ms:.4f}ms "
       f"(median {1000 * statistics.median(timed):.4f}ms), {a.batch_size * a.block_size / (ms / 1000):.0f} tokens/s, "
       f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")

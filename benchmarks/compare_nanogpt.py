@@ -28,6 +28,9 @@ p.add_argument('--rounds', type=int, default=1,
                help='nanoGPT and ours take turns this many times; a cell is the median of its rounds')
 p.add_argument('--like_for_like', action='store_true',
                help='only bias=False against --bias False (no rows with biases)')
+p.add_argument('--fast', action='store_true', help="ours (and --also) with tools/fast_standin.py's padded LM head")
+p.add_argument('--also', default='', help="another tree of this repository (e.g. the commit before a change), "
+               "timed like ours, --bias False, in the same turns")
 a = p.parse_args()
 pat = re.compile(r'time per iteration: ([\d.]+)ms')
 
@@ -49,16 +52,20 @@ for setting in a.settings.split(','):
     dtype, compile = setting.split('+')[0], setting.endswith('+compile')
     nano = lambda bias: run([sys.executable, 'bench.py', '--real_data=False', f'--dtype={dtype}',
                              f'--compile={compile}', f'--bias={bias}'], cwd=a.nanogpt)
+    flags = (['--compile'] if compile else []) + (['--fast'] if a.fast else [])
     ours = lambda bias, *more: run([sys.executable, os.path.join(here, 'bench_gpu.py'), '--dtype', dtype, '--bias', bias]
-                                   + (['--compile'] if compile else []) + list(more))
+                                   + flags + list(more))
     cells = {'nanoGPT': lambda: nano(False), 'ours': lambda: ours('False')}
+    if a.also:
+        cells['also'] = lambda: run([sys.executable, os.path.join(a.also, 'benchmarks', 'bench_gpu.py'), '--dtype', dtype,
+                                     '--bias', 'False'] + flags)
     if not a.like_for_like and not compile:  # bench.py compiles the same way either way
         cells |= {'nanoGPT bias': lambda: nano(True), 'ours bias': lambda: ours('True')}
     times = {k: [] for k in cells}
     for _ in range(a.rounds):  # in turns, so that a drift of the GPU's clocks touches both alike
         for k, fn in cells.items():
             times[k].append(fn())
-    r = {'nanoGPT bias': None, 'ours bias': None} | {k: median(v) for k, v in times.items()}
+    r = {'nanoGPT bias': None, 'ours bias': None, 'also': None} | {k: median(v) for k, v in times.items()}
     # the noise this run measures: the spread of each program's own rounds around their median
     ok = {k: [t for t in v if t] for k, v in times.items()}
     spread = {k: (max(v) - min(v)) / median(v) for k, v in ok.items() if len(v) > 1}
@@ -75,6 +82,9 @@ print("|---|---|---|---|---|---|---|")
 for name, r, _ in rows:
     print(f"| {name} | {cell(r['nanoGPT'])} | {cell(r['ours'])} | {ratio(r['ours'], r['nanoGPT'])} "
           f"| {cell(r['nanoGPT bias'])} | {cell(r['ours bias'])} | {ratio(r['ours bias'], r['nanoGPT bias'])} |")
+for name, r, _ in rows if a.also else []:
+    print(f"{name}: {a.also} {cell(r['also'])}, ratio to nanoGPT {ratio(r['also'], r['nanoGPT'])}; "
+          f"ours / it {ratio(r['ours'], r['also'])}")
 for name, r, spread in rows:
     if spread:
         print(f"{name}: rounds' spread (max - min) / median: " + ', '.join(f"{k} {100 * v:.1f}%" for k, v in spread.items()))

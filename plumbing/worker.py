@@ -42,6 +42,16 @@ def exit_text(code):
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
+def views(flat, shapes):
+    """{name: that stretch of a flat array, in its shape}: NumPy views, made without a copy or a
+    release of the GIL."""
+    out, off = {}, 0
+    for k, s in shapes.items():
+        out[k] = flat[off:off + math.prod(s)].reshape(s)
+        off += math.prod(s)
+    return out
+
+
 class Buffers:
     """The shared memory of one worker, allocated once: weights and gradients (fp32, by
     nanoGPT's names and shapes, in one flat block each) and a batch (int64 idx and targets,
@@ -65,20 +75,13 @@ class Buffers:
             raise UserError(f"could not allocate {sum(sizes.values()) / 2**20:.0f} MiB of shared memory for the "
                                f"ANE worker ({e}): free memory (or /dev/shm), use a smaller model, or run the ANE "
                                "engine in this process with --ane_worker false") from None
-        self.w, self.g = (self._views(self.shm[k], shapes) for k in ('w', 'g'))
+        self.flat = {k: np.ndarray((n,), np.float32, buffer=self.shm[k].buf) for k in ('w', 'g')}
+        self.w, self.g = views(self.flat['w'], shapes), views(self.flat['g'], shapes)
         self.batch = np.ndarray((2, B, T), np.int64, buffer=self.shm['batch'].buf)
         self.names = {k: m.name for k, m in self.shm.items()}
 
-    @staticmethod
-    def _views(m, shapes):
-        flat, out, off = np.ndarray((m.size // 4,), np.float32, buffer=m.buf), {}, 0
-        for k, s in shapes.items():
-            out[k] = flat[off:off + math.prod(s)].reshape(s)
-            off += math.prod(s)
-        return out
-
     def close(self):
-        self.w = self.g = self.batch = None  # the views first: a buffer with views cannot close
+        self.flat = self.w = self.g = self.batch = None  # the views first: a buffer with views cannot close
         for m in self.shm.values():
             try:
                 m.close()
@@ -168,8 +171,10 @@ class WorkerEngine:
         w = self.bufs.w
         if {k: tuple(p.shape) for k, p in params.items()} != {k: v.shape for k, v in w.items()}:
             raise UserError(f"the ANE worker was started for another model ({self.spec['cfg']})")
-        for k, p in params.items():  # once per step; the worker reads them at its next call
-            torch.from_numpy(w[k]).copy_(p.detach())
+        # once per step, in one call: its generated binding releases the GIL once (gil_scoped_release in
+        # each dispatch lambda, pytorch tools/autograd/gen_python_functions.py), not once per tensor
+        with torch.no_grad():
+            torch._foreach_copy_([torch.from_numpy(v) for v in w.values()], [params[k] for k in w])
         self.new_weights = True
 
     def loss_and_grads(self, idx, targets):
@@ -188,7 +193,13 @@ class WorkerEngine:
         loss, peak, seconds = self._wait(timeout, f"computing {b} sequences")
         self.seconds, self.slowest = seconds, max(self.slowest, seconds / b)
         self.scaler.peak = max(self.scaler.peak, peak)
-        return torch.tensor(loss), {k: torch.from_numpy(v).clone() for k, v in self.bufs.g.items()}
+        # one copy of the whole block, into NumPy's memory (huge pages on Linux: few page faults, numpy
+        # alloc.c). copy_ releases the GIL while it runs (pybind11::gil_scoped_release in dispatch_copy_,
+        # pytorch torch/csrc/autograd/python_variable_methods.cpp); beside a busy thread, taking it back
+        # waits up to the switch interval: once here, not once per tensor (from_numpy and views keep it)
+        flat = np.empty_like(self.bufs.flat['g'])
+        torch.from_numpy(flat).copy_(torch.from_numpy(self.bufs.flat['g']))
+        return torch.tensor(loss), {k: torch.from_numpy(v) for k, v in views(flat, self.spec['shapes']).items()}
 
     def _wait(self, timeout, what):
         """The worker's answer, waiting without the GIL (a pipe's poll); a fault if none comes."""

@@ -328,3 +328,23 @@ def test_padded_lm_head_under_autocast_is_gpt2s():
     for k in ga:
         cos = torch.nn.functional.cosine_similarity(ga[k].flatten(), gb[k].flatten(), dim=0)
         assert ga[k].dtype == torch.float32 and cos >= 0.9999, (k, cos)
+
+
+def test_a_lone_gpu_step_is_not_waited_for_and_skips_a_nonfinite_update():
+    # the GPU engine alone: its flag stays on the device until the update is queued, and a
+    # non-finite gradient never reaches the weights; the counters and loss scale follow
+    model, value = tiny_model(), {'v': float('nan')}
+    eng = {'gpu': FakeEngine('gpu', 0, lambda idx: {k: torch.full_like(p, value['v'])
+                                                    for k, p in model.named_parameters()})}
+    step = hg.HeteroStep(model, eng, hg.Split(2, '0'), optimizer=torch.optim.AdamW(model.parameters()))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    out = step(microbatches(2))
+    assert torch.is_tensor(out['results']['gpu']['finite']) and out['used'] == ['gpu']  # not read yet
+    step.update(out)
+    assert out['n'] == 0 and out['used'] == [] and math.isnan(out['loss'])
+    assert step.skipped == 1 and step.dropped['gpu'] == 1 and eng['gpu'].scaler.scale == 512.0
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+    value['v'] = 1.0
+    out = step.update(step(microbatches(2)))
+    assert out['n'] == 2 and out['loss'] == 2.0 and step.skipped == 1 and out['results']['gpu']['seconds'] > 0
+    assert not any(torch.equal(p, before[k]) for k, p in model.named_parameters())

@@ -321,7 +321,7 @@ def gradients(ctx):
            for k, p in model.named_parameters() if not k.endswith('attn.c_attn.bias')}  # (its key third is 0)
     worst = min(cos, key=cos.get)
     return dict(worst_cosine=round(cos[worst], 6), worst=worst, loss=round(l.item(), 5),
-                reference_loss=round(loss.item(), 5), finite=hg.grads_finite(grads), seconds=round(time.perf_counter() - t0, 2),
+                reference_loss=round(loss.item(), 5), finite=bool(hg.grads_finite(grads)), seconds=round(time.perf_counter() - t0, 2),
                 largest_output=engine.scaler.peak, passed=cos[worst] >= 0.999)
 
 
