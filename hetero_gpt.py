@@ -1287,8 +1287,7 @@ def train(cfg, given=frozenset()):
     split = step.split
     if init and rank == 0 and not cfg.resume:  # (under torchrun the other ranks get rank 0's weights)
         pretrained.load(model, cfg.init_from)
-    it, tokens, elapsed, best_val, since_best = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, split,
-                                                                   engines, rank)
+    it, tokens, elapsed, best_val, since_best = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
     bad, best_due = 0, False  # steps in a row without a usable gradient; a best not saved yet
     for path in old_run if rank == 0 else []:  # (--overwrite)
         os.remove(path)
@@ -1296,10 +1295,8 @@ def train(cfg, given=frozenset()):
     def checkpoint(best=False):  # best: also as best.pt
         nonlocal best_due
         if rank == 0:
-            counters = dict(iter_num=it, tokens=tokens, elapsed=elapsed, best_val_loss=best_val,
-                            evals_since_best=since_best)
-            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines, **counters),
-                                        best)
+            counters = dict(iter_num=it, tokens=tokens, elapsed=elapsed, best_val_loss=best_val, evals_since_best=since_best)
+            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines, **counters), best)
         best_due = False
 
     print(f"GPT-2 {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | mode {cfg.mode} | "
@@ -1313,8 +1310,7 @@ def train(cfg, given=frozenset()):
     j0, t_log, tok_log = meter.joules(), elapsed, 0
     stop = it >= cfg.max_iters or 0 < cfg.patience <= since_best  # (a resumed run may be done)
     if stop:
-        print(f"step {it}, {since_best} evaluations past the best (--max_iters {cfg.max_iters}, --patience "
-              f"{cfg.patience}): no steps to train")
+        print(f"step {it}, {since_best} evaluations past the best (--max_iters {cfg.max_iters}, --patience {cfg.patience}): no steps to train")
     try:
         while not stop:
             lr = get_lr(cfg, it)
