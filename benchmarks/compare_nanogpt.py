@@ -8,10 +8,9 @@ bench.py, configurator.py); nothing is copied.
     python benchmarks/compare_nanogpt.py --nanogpt /path/to/nanoGPT
 
 nanoGPT's bench.py uses its GPTConfig defaults: vocabulary padded to 50304 and no biases
-(bias=False). So each setting is timed like for like twice: ours with --bias False against
-bench.py as it is, and ours as GPT-2 is published (biases) against bench.py --bias=True
-(eager only: bench.py compiles the same way either way). Our vocabulary stays 50257 (the
-LM-head matmul is padded internally).
+(bias=False). So ours takes the same config against bench.py as it is (--vocab_size 50304
+--bias False: like for like), and GPT-2 as published (50257, biases) against bench.py
+--bias=True (eager only: bench.py compiles the same way either way).
 """
 import argparse
 import os
@@ -55,10 +54,11 @@ for setting in a.settings.split(','):
     flags = (['--compile'] if compile else []) + (['--fast'] if a.fast else [])
     ours = lambda bias, *more: run([sys.executable, os.path.join(here, 'bench_gpu.py'), '--dtype', dtype, '--bias', bias]
                                    + flags + list(more))
-    cells = {'nanoGPT': lambda: nano(False), 'ours': lambda: ours('False')}
+    padded = ['--vocab_size', '50304']  # nanoGPT's config pads the vocabulary: so does ours here
+    cells = {'nanoGPT': lambda: nano(False), 'ours': lambda: ours('False', *padded)}
     if a.also:
         cells['also'] = lambda: run([sys.executable, os.path.join(a.also, 'benchmarks', 'bench_gpu.py'), '--dtype', dtype,
-                                     '--bias', 'False'] + flags)
+                                     '--bias', 'False'] + flags + padded)
     if not a.like_for_like and not compile:  # bench.py compiles the same way either way
         cells |= {'nanoGPT bias': lambda: nano(True), 'ours bias': lambda: ours('True')}
     times = {k: [] for k in cells}
