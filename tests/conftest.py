@@ -66,7 +66,7 @@ def ctrl_c(monkeypatch):
 
 
 @pytest.fixture(scope='session')
-def programs(tmp_path_factory):
+def exported(tmp_path_factory):
     """export(cfg, B, T, whole_step=False): the folder of the Core ML programs for that model
     and shape, exported once per test run ({piece: report} in export.reports[folder])."""
     import export_ane

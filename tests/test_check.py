@@ -75,12 +75,12 @@ def test_the_report_and_its_schema(tmp_path):
     assert mine.read_text() == '{"notes": 1}'
 
 
-def test_the_stages_that_run_off_macos(programs):
+def test_the_stages_that_run_off_macos(exported):
     # the stages' own functions, in this process, on programs exported once (the programs
     # stage finds them there, for these shapes, and reuses them); the command runs each in a
     # process of its own (test_the_check_command_off_macos, slow)
     cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
-    ctx = dict(cfg=dataclasses.asdict(cfg), B=2, T=8, out=programs(cfg, 2, 8), gpu_batch=4, results={})
+    ctx = dict(cfg=dataclasses.asdict(cfg), B=2, T=8, out=exported(cfg, 2, 8), gpu_batch=4, results={})
     env = ane_check.environment(ctx)
     assert env['torch'] == torch.__version__ and env['coremltools'] == ane_check.settings.import_coremltools().__version__
     assert ('macos' in env) == hg.ON_MAC

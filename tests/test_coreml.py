@@ -10,7 +10,8 @@ import torch
 
 import export_ane
 import hetero_gpt as hg
-from plumbing import programs
+import helpers
+from plumbing import programs as coreml_programs
 from tools import ane_check
 
 pytest.importorskip('coremltools')  # (the machines that lend a GPU may not have it)
@@ -21,26 +22,23 @@ B, T = 3, 7
 
 
 @pytest.fixture(scope='module')
-def package(tmp_path_factory):
-    """The three programs, and the whole step as one: {'pieces': folder, 'step': folder}."""
-    root = tmp_path_factory.mktemp('ane')
-    out = {'pieces': str(root / 'tiny'), 'step': str(root / 'tiny_step')}
-    reports = {k: export_ane.export_programs(CFG, B, T, p, whole_step=k == 'step') for k, p in out.items()}
-    return out | {'reports': reports}
+def package(exported):
+    """The three programs, and the whole step as one: {'pieces': folder, 'step': folder, 'reports': ...}."""
+    out = {'pieces': exported(CFG, B, T), 'step': exported(CFG, B, T, whole_step=True)}
+    return out | {'reports': {k: exported.reports[p] for k, p in out.items()}}
 
 
 def reference(seed=0, b=B):
+    """A GPT (fp64), a batch of b sequences, and fp64 autograd's loss; model.grads: its gradients."""
     torch.manual_seed(seed)
     model = hg.GPT(CFG).double()
     idx, targets = (torch.randint(0, CFG.vocab_size, (b, T)) for _ in range(2))
-    _, loss = model(idx, targets)
-    loss.backward()
-    return model, idx, targets, loss.item()
+    loss, model.grads = helpers.autograd_fp64(model, idx, targets)
+    return model, idx, targets, loss
 
 
 def cosines(grads, model):
-    return {k: torch.nn.functional.cosine_similarity(grads[k].double().flatten(), p.grad.flatten(), dim=0).item()
-            for k, p in model.named_parameters()}
+    return helpers.cosines(grads, model.grads)
 
 
 @pytest.mark.parametrize('kind', ['pieces', 'step'])
@@ -72,7 +70,16 @@ def test_programs_are_ane_shaped(package):
         assert r['bytes_in'] == 2 * sum(int(np.prod(s)) for s in shapes.values())
         # live memory: at least the inputs and outputs, at most every tensor of the program at once
         assert r['bytes_in'] <= r['live_bytes'] and r['bytes_out'] <= r['live_bytes']
-    head = programs.load_coreml_program(programs.program_path(package['pieces'], 'head')).functions['main']
+        # and, counted here op by op: at least what any one op reads and writes (all live at
+        # once), less than every tensor of the program (each freed after its last reader)
+        f = coreml_programs.load_coreml_program(coreml_programs.program_path(package['pieces'], piece)).functions['main']
+        size = lambda v: 2 * int(np.prod(v.shape))
+        touched = [{v.name: size(v) for v in op.outputs} | {u.name: size(u) for v in op.inputs.values()
+                                                             for u in (v if isinstance(v, (list, tuple)) else [v])}
+                   for op in f.operations]
+        every = sum(size(v) for v in f.inputs.values()) + sum(size(v) for op in f.operations for v in op.outputs)
+        assert max(sum(t.values()) for t in touched) <= r['live_bytes'] < every, piece
+    head = coreml_programs.load_coreml_program(coreml_programs.program_path(package['pieces'], 'head')).functions['main']
     peaks = [v.name for v in head.outputs if v.name.startswith('peak_')]
     outs = sum(int(np.prod(s)) for k, s in hg.piece_input_shapes(CFG, B, T, 'head').items() if k != 'loss_scale') + 1
     assert reports['head']['bytes_out'] == 2 * (outs + len(peaks))  # a gradient per input but loss_scale; the loss; a value per peak
@@ -94,15 +101,31 @@ def test_flops_for_gpt2_124m_analytic_within_2_percent():
     assert abs(exact / estimate - 1) < 0.02
 
 
+@pytest.mark.parametrize('V', [128, 200])
+def test_analytic_flops_are_autograds(V):
+    # autograd's own matmuls, counted by PyTorch (FlopCounterMode, attention on its math path,
+    # which keeps the whole T x T as the count does): the analytic count exactly; the programs'
+    # LM head multiplies whole 64-row-aligned chunks, so a vocabulary of 200 costs 256 rows
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg, b, t = hg.GPTConfig(block_size=16, vocab_size=V, n_layer=2, n_head=2, n_embd=32), 3, 16
+    model = hg.GPT(cfg)
+    idx, targets = (torch.randint(0, V, (b, t)) for _ in range(2))
+    with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as count:
+        model(idx, targets)[1].backward()
+    padding = hg.vocab_chunks(V)[0] * len(hg.vocab_chunks(V)[1]) - V
+    assert ane_check.analytic_flops(cfg, b, t)[0] == count.get_total_flops() + 6 * b * t * padding * cfg.n_embd
+
+
 def test_live_memory_estimate_by_hand():
     # y = (x * x) + x on a (4, 8) fp16 input (64 B a tensor): x and x*x live until the add,
     # whose result makes 3 x 64 B live; after it only the sum (then its identity, the output)
     prog = hg.mil_program(lambda _, x: {'y': x * x + x}, {'x': (4, 8)})
-    assert programs.live_bytes(prog.functions['main']) == 3 * 64
+    assert coreml_programs.live_bytes(prog.functions['main']) == 3 * 64
 
 
 def test_programs_past_the_ane_memory_are_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(programs, 'ANE_MEMORY', 2**20)  # 1 MiB: the tiny head's logits need more
+    monkeypatch.setattr(coreml_programs, 'ANE_MEMORY', 2**20)  # 1 MiB: the tiny head's logits need more
     rc = export_ane.main(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '64',
                           '--vocab_size', '500', '--ane_batch_size', '8', '--out', str(tmp_path / 'big')])
     assert rc == 2 and 'past the ANE' in capsys.readouterr().err and not os.path.exists(tmp_path / 'big')
@@ -134,8 +157,8 @@ def test_not_a_folder_of_programs(tmp_path, package):
     shutil.rmtree(half / 'head.mlpackage')
     with pytest.raises(hg.UserError, match='lacks head'):
         export_ane.open_programs(str(half))
-    meta = json.loads((half / programs.META).read_text())
-    (half / programs.META).write_text(json.dumps(meta | {'format': 1}))
+    meta = json.loads((half / coreml_programs.META).read_text())
+    (half / coreml_programs.META).write_text(json.dumps(meta | {'format': 1}))
     with pytest.raises(hg.UserError, match='another version'):
         export_ane.open_programs(str(half))
     with pytest.raises(hg.UserError, match='refusing to overwrite'):  # export never writes over what it did not make
@@ -147,7 +170,7 @@ def test_custom_predict_and_input_lifetime(package):
     # by name, in fp32 (which coremltools wraps without converting), in the engine's persistent
     # buffers (Core ML frees its inputs late: these are never freed under it), 2L + 1 calls
     seen = []
-    evaluate = programs.numpy_programs(package['pieces'], hg.ANE_PIECES)
+    evaluate = coreml_programs.numpy_programs(package['pieces'], hg.ANE_PIECES)
 
     def predict(piece, inputs):
         seen.append((piece, inputs))
@@ -193,23 +216,21 @@ def test_trainer_exports_once_and_reuses(tmp_path):
         ensure_programs(cfg, log=said.append)
 
 
-def test_programs_without_biases(tmp_path):
+def test_programs_without_biases(exported):
     # nanoGPT's bias=False: the programs have no bias inputs or outputs, and their fp16
     # gradients point where fp64 autograd's do (cosine >= 0.999, as above)
     cfg = hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16, bias=False)
-    path = str(tmp_path / 'nobias')
-    export_ane.export_programs(cfg, 2, 5, path)
+    path = exported(cfg, 2, 5)
     names = {k for p in hg.ANE_PIECES for k in hg.piece_input_shapes(cfg, 2, 5, p)}
     assert not any(k.endswith('_b') or k in ('bq', 'bk', 'bv', 'bo', 'bfc', 'bpr') for k in names)
     assert {'wq', 'lnf_w', 'ln1_w'} <= names
     torch.manual_seed(0)
     model = hg.GPT(cfg).double()
     idx, targets = (torch.randint(0, cfg.vocab_size, (2, 5)) for _ in range(2))
-    _, loss = model(idx, targets)
-    loss.backward()
+    loss, ref = helpers.autograd_fp64(model, idx, targets)
     engine = export_ane.open_programs(path, scaler=hg.LossScaler(1024.0, 0))
     engine.load_weights(dict(model.named_parameters()))
     l, grads = engine.loss_and_grads(idx, targets)
-    assert abs(l.item() - loss.item()) / loss.item() < 1e-2
+    assert abs(l.item() - loss) / loss < 1e-2
     assert set(grads) == {k for k, _ in model.named_parameters()}
-    assert min(cosines(grads, model).values()) >= 0.999
+    assert min(helpers.cosines(grads, ref).values()) >= 0.999
