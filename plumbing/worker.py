@@ -196,7 +196,8 @@ class WorkerEngine:
         while not self.conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
             if not self.proc.is_alive() and not self.conn.poll(0):
                 raise self._fault(f"died while {what} ({exit_text(self.proc.exitcode)})")
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:  # killed: a hung worker would not read a request to stop
+                self.proc.kill()
                 raise self._fault(f"did not finish {what} within {timeout:.0f} s, so it was stopped")
         try:
             msg = self.conn.recv()

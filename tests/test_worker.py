@@ -1,12 +1,15 @@
 """The ANE engine in its worker process (plumbing/worker.py): the process boundary, the shared
 buffers, the timeouts and every fault path, with stand-ins for Core ML (tests/worker_faults.py)."""
 import dataclasses
+import multiprocessing
 import os
 
 import pytest
 import torch
 
+import export_ane
 import hetero_gpt as hg
+import helpers
 import worker_faults
 from plumbing import worker as plumbing_worker
 
@@ -53,12 +56,11 @@ def test_worker_computes_what_the_engine_computes_here(worker):
         e.load_weights(params)
     (lw, gw), (lh, gh) = w.loss_and_grads(idx, targets), here.loss_and_grads(idx, targets)
     assert abs(lw.item() - lh.item()) <= 1e-5 * lh.item()
-    ref = hg.GPT(CFG).double()
-    ref.load_state_dict(model.state_dict())
-    ref(idx, targets)[1].backward()
-    for k, p in ref.named_parameters():
+    _, ref = helpers.autograd_fp64(model, idx, targets)
+    cos = helpers.cosines(gw, ref)
+    for k in ref:
         assert torch.allclose(gw[k], gh[k], rtol=1e-5, atol=1e-5 * gh[k].abs().max().item()), k
-        assert torch.nn.functional.cosine_similarity(gw[k].double().flatten(), p.grad.flatten(), dim=0) >= 0.9999, k
+        assert cos[k] >= 0.9999, k
     gw['transformer.wte.weight'].zero_()  # the caller's own tensors, not views of the shared memory
     assert w.bufs.g['transformer.wte.weight'].any()
 
@@ -77,7 +79,7 @@ def test_weights_are_sent_once_per_step(worker, monkeypatch):
         w.load_weights(dict(hg.GPT(dataclasses.replace(CFG, n_embd=16)).named_parameters()))
 
 
-@pytest.mark.parametrize('fault,said', [('sigkill', 'killed by SIGKILL'), ('hang', 'did not finish'),
+@pytest.mark.parametrize('fault,said', [('sigkill', 'killed by SIGKILL'), ('hang', 'did not finish computing 4 sequences within 2 s'),
                                         ('raises', "raised while computing 4 sequences: RuntimeError: an evaluator's")])
 def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     # Step 1 runs on both engines. In step 2 the worker faults at its first call (each
@@ -85,15 +87,19 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     # ANE engine is retired with a message that says what happened, the GPU engine runs the
     # ANE's share too, and the update is the one a GPU-only step over the same 4
     # microbatches makes: the same gradient to fp32 rounding of a sum in another order.
+    # Each call may take 60 s (the default: tens of times a call here), but for the hang,
+    # which is about time: once step 1 has run, a call may take 2 s.
     torch.manual_seed(0)
     model = hg.GPT(CFG)
-    w = worker(make=getattr(worker_faults, fault), fault_call=3, min_timeout=3, timeout_factor=1)
+    w = worker(make=getattr(worker_faults, fault), fault_call=3)
     said_log = []
     engines = {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32), 'ane': w}
     step = hg.HeteroStep(model, engines, hg.Split(4, '0.5'), log=said_log.append,
                          optimizer=torch.optim.AdamW(model.parameters()))
     mb = batches(2 * 4)
     assert step(mb[:4])['used'] == ['ane', 'gpu']
+    if fault == 'hang':
+        w.min_timeout, w.factor = 2.0, 1.0
     step.optimizer.zero_grad()
     ref = hg.GPT(CFG)
     ref.load_state_dict(model.state_dict())
@@ -105,6 +111,7 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), k
     assert w.proc is None and w.bufs is None  # stopped, its shared memory freed
+    assert not [p for p in multiprocessing.active_children() if p.name == 'ane-worker']  # and reaped
 
 
 def test_worker_that_cannot_start_is_one_clear_error(worker):
@@ -128,17 +135,52 @@ def test_shared_memory_that_cannot_be_allocated(monkeypatch):
         assert not os.path.exists(f'/dev/shm/{m.name.lstrip("/")}')
 
 
+def test_the_worker_runs_exported_programs(exported):
+    # the Mac's default ANE engine: the programs --ane_programs names (exported once, for these
+    # shapes: 2 sequences of 8 tokens a call) in the worker, through the NumPy evaluator where a
+    # Mac has Core ML. Against the same programs in this process: the same fp16 arithmetic on
+    # the same inputs (BLAS may order an fp32 sum otherwise, which can move an fp16 output by a
+    # rounding: 2^-11 of the largest value); against fp64 autograd by direction (cosine >= 0.999)
+    gcfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
+    path = exported(gcfg, 2, 8)
+    cfg = hg.Config(**vars(gcfg), batch_size=4, ane_batch_size=2, ane_evaluator='numpy', ane_programs=path)
+    spec = hg.ane_spec(cfg, torch.float16, log=pytest.fail) | dict(threads=1)  # found, not exported again
+    w = plumbing_worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(256.0, 0), log=lambda s: None,
+                                     load_timeout=120)
+    try:
+        here = export_ane.open_programs(path, scaler=hg.LossScaler(256.0, 0))
+        assert 'NumPy evaluator' in w.label and w.label.startswith(f'Core ML programs {path}')
+        torch.manual_seed(0)
+        model = hg.GPT(gcfg)
+        params = dict(model.named_parameters())
+        idx, targets = (torch.randint(0, 100, (4, 8)) for _ in range(2))  # two calls of 2 sequences
+        for e in (w, here):
+            e.load_weights(params)
+        (lw, gw), (lh, gh) = w.loss_and_grads(idx, targets), here.loss_and_grads(idx, targets)
+        assert abs(lw.item() - lh.item()) <= 2.0 ** -10 * lh.item()
+        assert w.scaler.peak == pytest.approx(here.scaler.peak, rel=2.0 ** -10) and w.scaler.peak > 0
+        ref_loss, ref = helpers.autograd_fp64(model, idx, targets)
+        cos = helpers.cosines(gw, ref)
+        for k in ref:
+            assert torch.allclose(gw[k], gh[k], rtol=0, atol=2.0 ** -10 * gh[k].abs().max().item()), k
+            assert cos[k] >= 0.999 or k.endswith('c_attn.bias'), (k, cos[k])  # (the key bias's exact gradient is 0)
+        assert abs(lw.item() - ref_loss) <= 1e-2 * ref_loss
+    finally:
+        w.close()
+
+
 def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
-    # --mode hetero --device cpu: the GPU engine is autograd, the ANE engine the worker
-    # (the eager derivation in fp16), as the Mac's structure; it is stopped at the end
+    # --mode hetero --device cpu: the GPU engine is autograd, the ANE engine the worker (the
+    # eager derivation in fp16), as the Mac's structure; it is stopped at the end
     cfg, given = hg.parse_args(['--mode', 'hetero', '--device', 'cpu', '--n_layer', '1', '--n_head', '2',
                                 '--n_embd', '16', '--block_size', '8', '--vocab_size', '50', '--out_dir', str(tmp_path)])
     hg.setup(cfg, given, log=lambda s: None)
     model, _, engines, step, _ = hg.build_run(cfg, torch.device('cpu'), torch.float32, 'hetero', log=lambda s: None)
     try:
         assert isinstance(engines['ane'], plumbing_worker.WorkerEngine) and 'float16' in engines['ane'].label
-        assert engines['ane'].scaler.scale == 256.0
+        assert engines['ane'].scaler.scale == 256.0 and engines['ane'].proc.is_alive()
         out = step([tuple(torch.randint(0, 50, (8, 8)) for _ in range(2)) for _ in range(2)])
-        assert out['used'] == ['ane', 'gpu']
+        assert out['used'] == ['ane', 'gpu'] and out['results']['ane']['n'] == 1
     finally:
         engines['ane'].close()
+    assert engines['ane'].proc is None
