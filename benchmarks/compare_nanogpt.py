@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 
-here = os.path.dirname(os.path.abspath(__file__))
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's
 p = argparse.ArgumentParser()
 p.add_argument('--nanogpt', required=True)
 p.add_argument('--settings', default='float32,bfloat16,bfloat16+compile', help='which of the three rows')
@@ -49,8 +49,8 @@ for setting in a.settings.split(','):
     dtype, compile = setting.split('+')[0], setting.endswith('+compile')
     nano = lambda bias: run([sys.executable, 'bench.py', '--real_data=False', f'--dtype={dtype}',
                              f'--compile={compile}', f'--bias={bias}'], cwd=a.nanogpt)
-    ours = lambda bias, *more: run([sys.executable, os.path.join(here, 'bench_gpu.py'), '--dtype', dtype, '--bias', bias]
-                                   + (['--compile'] if compile else []) + list(more))
+    ours = lambda bias, *more: run([sys.executable, '-m', 'benchmarks.bench_gpu', '--dtype', dtype, '--bias', bias]
+                                   + (['--compile'] if compile else []) + list(more), cwd=root)
     cells = {'nanoGPT': lambda: nano(False), 'ours': lambda: ours('False')}
     if not a.like_for_like and not compile:  # bench.py compiles the same way either way
         cells |= {'nanoGPT bias': lambda: nano(True), 'ours bias': lambda: ours('True')}
