@@ -148,7 +148,7 @@ def test_memory_estimate_against_a_measured_cpu_run(shape):
     # beyond what importing PyTorch took: within 25% (one layout activation-heavy, one
     # logit-heavy). The estimate counts the tensors by shape; the runtime's own is a constant.
     out = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'memory_probe.py'), *shape.split()],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
     measured, estimate = map(int, out.stdout.split()[-2:])
     print(f"{shape}: measured {measured / 2**20:.0f} MiB, estimated {estimate / 2**20:.0f} MiB")
     assert abs(estimate / measured - 1) <= 0.25
