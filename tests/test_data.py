@@ -144,16 +144,20 @@ def test_bad_input_raises_data_error(tmp_path):
     assert not (tmp_path / "data").exists()  # failed before writing anything
 
 
-def test_bad_input_cli_exits_1(tmp_path):
+def test_bad_input_cli_exits_1(tmp_path, capsys):
+    # the command's main, in this process (test_cli_input_matches_prepare runs the file itself):
+    # exit code 1 and the message, no exception
     cases = [(["--input", path] if path else [name], message) for (name, path), message in bad_inputs(tmp_path).items()]
     cases += [([], "say what to prepare"), (["shakespeare", "--input", tmp_path / "one.txt"], "not both"),
               (["shakespeare", "--name", "x"], "--name only applies with --input"),
               (["shakespeare", "--zip", "x.zip"], "--zip only applies to wikitext103")]
     for args, message in cases:
-        result = run_cli(*args, "--data_dir", tmp_path / "data")
-        assert result.returncode == 1, (args, result.stderr)
-        assert re.search(message, result.stderr), (args, result.stderr)
-        assert "Traceback" not in result.stderr
+        assert prepare_data.main([str(a) for a in args] + ["--data_dir", str(tmp_path / "data")]) == 1, args
+        err = capsys.readouterr().err
+        assert re.search(message, err) and err.startswith("prepare_data.py: error: "), (args, err)
+    assert not (tmp_path / "data").exists()
+    result = run_cli("--input", tmp_path / "one.txt", "--data_dir", tmp_path / "data")  # the file's own exit code
+    assert result.returncode == 1 and "only 1 character" in result.stderr and "Traceback" not in result.stderr
 
 
 def fake_wikitext_zip(path, members=prepare_data.WIKITEXT_MEMBERS.values()):

@@ -5,6 +5,7 @@ every process: the trainer, its ANE worker, the self-check's stages. CI runs thi
 twice: with the newest coremltools and with the oldest requirements.txt allows."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -187,9 +188,15 @@ def test_bench(shakespeare, tmp_path):
     assert all(line.split()[3] != 'n/a' for line in table)  # joules per token: powermetrics
 
 
-CACHE = """
-import os, coremltools as ct
-from plumbing import programs
+# One process of the double, its parts each a test below (a process here costs seconds: it
+# imports PyTorch and coremltools). The parts print [name, value] lines; the last part ends the
+# process as Core ML's late release would (SIGSEGV), so it comes last.
+PARTS = """
+import json, os, sys, time, numpy as np, coremltools as ct, hetero_gpt as hg
+from plumbing import energy, programs
+say = lambda part, value: print(json.dumps([part, value]), flush=True)
+
+# the compile cache
 path, cached = programs.compiled_model('p', 'head')
 assert not cached and os.path.isfile(os.path.join(path, 'DONE')) and path.endswith('.mlmodelc')
 assert programs.compiled_model('p', 'head') == (path, True)
@@ -207,58 +214,90 @@ os.makedirs(gone), os.makedirs(running)  # temporaries: of a process that is gon
 new, cached = programs.compiled_model('p', 'head')
 assert new != path and not cached and not os.path.exists(path)
 assert not os.path.exists(gone) and os.path.exists(running)
-print(sorted(os.listdir('p/compiled')))
-print(programs.macos_placement(new))
-"""
+say('cache', sorted(os.listdir('p/compiled')))
 
+# the compute plan
+say('placement', programs.macos_placement(new))
 
-def test_compile_cache_and_placement(exported, tmp_path):
-    # compiled once through coremltools' compile_model (into a name ending in .mlmodelc),
-    # loaded from the cache after; a half-written entry, a changed program and an entry Core
-    # ML cannot load are compiled again; another process's temporary is left alone unless
-    # that process is gone. On macOS 15.5 the compute plan names the ops Core ML puts on the
-    # CPU (here: abs, by the double's switch)
-    programs_in(tmp_path, exported, MODEL)
-    r = mac(['-c', CACHE], tmp_path, cpu_ops='abs')
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert sum(e[0] == 'compile' for e in coreml_log(tmp_path)) == 4
-    placement = eval(r.stdout.strip().splitlines()[-1])
-    assert set(placement['not_on_ane']) == {'abs -> MLCPUComputeDevice'} and 0 < placement['ane_share_of_ops'] < 1
+# the energy meter
+m = energy.PowermetricsMeter()
+time.sleep(1.0)
+m.close()
+say('energy', m.parts)
 
-
-def test_placement_needs_macos_14_4(monkeypatch):
-    monkeypatch.setattr(coreml_programs.platform, 'mac_ver', lambda: ('14.2', ('', '', ''), 'arm64'))
-    assert coreml_programs.macos_placement('any') == {'unavailable': 'the compute plan needs macOS 14.4 (this is 14.2)'}
-
-
-RELEASE = """
-import sys, time, numpy as np, hetero_gpt as hg, coremltools as ct
-from plumbing import programs
+# Core ML's late release of its inputs
 cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200)
-m = ct.models.CompiledMLModel(programs.compiled_model('p', 'head')[0], compute_units=ct.ComputeUnit.CPU_AND_NE)
+m = ct.models.CompiledMLModel(new, compute_units=ct.ComputeUnit.CPU_AND_NE)
 inputs = lambda: {k: np.zeros(s, np.float32) for k, s in hg.piece_input_shapes(cfg, 2, 32, 'head').items()}
 kept = inputs()
 for _ in range(3):
     programs.coreml_predict(m, kept)  # the same buffers, through fresh views each call
 time.sleep(1.5)
-print('views: ok', flush=True)
+say('views', 'ok')
 if sys.argv[1] == 'temporary':
     m.predict(inputs())  # freed by the time Core ML releases it
     time.sleep(1.5)
 else:
     m.predict(kept)
     m.predict(kept)  # still held by Core ML from the call before
-print('survived', flush=True)
+say('survived', True)
 """
 
 
+def run_parts(exported, folder, misuse):
+    """PARTS in folder, on a copy of MODEL's programs: (the process, {part: value}, folder)."""
+    programs_in(folder, exported, MODEL)
+    r = mac(['-c', PARTS, misuse], folder, cpu_ops='abs')  # (the compute plan puts abs on the CPU)
+    said = [json.loads(line) for line in r.stdout.splitlines() if line.startswith('[')]
+    return r, dict(said), folder
+
+
+@pytest.fixture(scope='module')
+def parts(exported, tmp_path_factory):
+    return run_parts(exported, tmp_path_factory.mktemp('parts'), 'again')
+
+
+def test_compile_cache(parts):
+    # compiled once through coremltools' compile_model (into a name ending in .mlmodelc),
+    # loaded from the cache after; a half-written entry, an entry Core ML cannot load and a
+    # changed program are compiled again; another process's temporary is left alone unless
+    # that process is gone
+    r, said, cwd = parts
+    assert 'cache' in said, r.stderr[-3000:]
+    assert len(said['cache']) == 2 and said['cache'][0] == f'.head-0.tmp{os.getpid()}.mlmodelc'  # (this process's)
+    assert re.fullmatch(r'head-[0-9a-f]{16}\.mlmodelc', said['cache'][1])
+    assert sum(e[0] == 'compile' for e in coreml_log(cwd)) == 4
+
+
+def test_placement(parts, monkeypatch):
+    # on macOS 15.5 the compute plan names the ops Core ML puts on the CPU (here: abs, by the
+    # double's switch); before 14.4 there is none
+    r, said, _ = parts
+    assert set(said['placement']['not_on_ane']) == {'abs -> MLCPUComputeDevice'}, r.stderr[-3000:]
+    assert 0 < said['placement']['ane_share_of_ops'] < 1
+    monkeypatch.setattr(coreml_programs.platform, 'mac_ver', lambda: ('14.2', ('', '', ''), 'arm64'))
+    assert coreml_programs.macos_placement('any') == {'unavailable': 'the compute plan needs macOS 14.4 (this is 14.2)'}
+
+
+def test_the_energy_meter_against_powermetrics(parts):
+    # powermetrics reports CPU 3 W, GPU 9 W (twice a sample), ANE 1.5 W: the meter counts each
+    # part once a sample, so its parts stand in those ratios whatever the window (the watts of
+    # a sample times its elapsed time: test_energy.py, on a captured text); closing stops the
+    # root powermetrics too (SIGTERM through sudo). (Without sudo rights it fails at once:
+    # test_a_failed_neural_engine_compile, sigkill)
+    r, said, cwd = parts
+    energy = said['energy']
+    assert energy['CPU'] > 0 and energy['GPU'] / energy['CPU'] == pytest.approx(3.0, rel=1e-12), energy
+    assert energy['ANE'] / energy['CPU'] == pytest.approx(0.5, rel=1e-12), energy
+    assert not [f for f in os.listdir(cwd) if f.startswith('powermetrics.')]  # none left running
+
+
 @pytest.mark.parametrize('misuse', [pytest.param('temporary', marks=pytest.mark.slow), 'again'])
-def test_core_ml_releases_its_inputs_late(exported, tmp_path, misuse):
+def test_core_ml_releases_its_inputs_late(parts, exported, tmp_path, misuse):
     # the double crashes where Core ML's late release, off the GIL, could corrupt the heap
     # (coremltools PRs #2827, #2829); coreml_predict's views never give it the chance
-    programs_in(tmp_path, exported, MODEL)
-    r = mac(['-c', RELEASE, misuse], tmp_path)
-    assert 'views: ok' in r.stdout and 'survived' not in r.stdout and r.returncode == -11, (r.stdout, r.stderr[-2000:])
+    r, said, _ = parts if misuse == 'again' else run_parts(exported, tmp_path, misuse)
+    assert said.get('views') == 'ok' and 'survived' not in said and r.returncode == -11, (r.stdout, r.stderr[-2000:])
     assert ('after the caller had freed it' if misuse == 'temporary' else 'still held by Core ML') in r.stderr
 
 
@@ -302,28 +341,6 @@ def test_export_without_core_ml_is_refused_in_one_line(tmp_path):
     err = error_lines(r)
     assert r.returncode == 2 and len(err) == 1 and 'has no Core ML runtime' in err[0], r.stderr[-2000:]
     assert not os.path.exists(tmp_path / 'ane_programs')
-
-
-def test_the_energy_meter_against_powermetrics(tmp_path):
-    # powermetrics reports CPU 3 W, GPU 9 W (twice a sample), ANE 1.5 W: the meter counts each
-    # part once a sample, so its parts stand in those ratios whatever the window (the watts of
-    # a sample times its elapsed time: test_energy.py, on a captured text); closing stops the
-    # root powermetrics too (SIGTERM through sudo). (Without sudo rights it fails at once:
-    # test_a_failed_neural_engine_compile, sigkill)
-    code = """
-import time
-from plumbing import energy
-m = energy.PowermetricsMeter()
-time.sleep(1.0)
-m.close()
-print(repr(m.parts))
-"""
-    r = mac(['-c', code], tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    parts = eval(r.stdout.strip().splitlines()[-1])
-    assert parts['CPU'] > 0 and parts['GPU'] / parts['CPU'] == pytest.approx(3.0, rel=1e-12), parts
-    assert parts['ANE'] / parts['CPU'] == pytest.approx(0.5, rel=1e-12), parts
-    assert not [f for f in os.listdir(tmp_path) if f.startswith('powermetrics.')]  # none left running
 
 
 def test_mps_limits_refused_in_one_line():

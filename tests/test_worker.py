@@ -41,7 +41,16 @@ def worker():
         w.close()
 
 
-def test_worker_computes_what_the_engine_computes_here(worker):
+@pytest.fixture(scope='module')
+def healthy():
+    """One worker of the eager derivation (fp32), for the tests that do not stop it."""
+    w = plumbing_worker.WorkerEngine(spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False), log=lambda s: None,
+                                     load_timeout=120)
+    yield w
+    w.close()
+
+
+def test_worker_computes_what_the_engine_computes_here(healthy):
     # The eager derivation (fp32) in the worker and in this
     # process: the same arithmetic on the same inputs, so equal to fp32 rounding (the
     # worker's thread count may order a sum otherwise: 1e-5 relative); and both against
@@ -49,7 +58,7 @@ def test_worker_computes_what_the_engine_computes_here(worker):
     torch.manual_seed(0)
     model = hg.GPT(CFG)
     params = dict(model.named_parameters())
-    w = worker()
+    w = healthy
     here = hg.ane_engine(spec())
     (idx, targets), = batches(1)
     for e in (w, here):
@@ -65,8 +74,8 @@ def test_worker_computes_what_the_engine_computes_here(worker):
     assert w.bufs.g['transformer.wte.weight'].any()
 
 
-def test_weights_are_sent_once_per_step(worker, monkeypatch):
-    w = worker()
+def test_weights_are_sent_once_per_step(healthy, monkeypatch):
+    w = healthy
     model = hg.GPT(CFG)
     w.load_weights(dict(model.named_parameters()))
     sent = []
@@ -98,6 +107,7 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
                          optimizer=torch.optim.AdamW(model.parameters()))
     mb = batches(2 * 4)
     assert step(mb[:4])['used'] == ['ane', 'gpu']
+    proc = w.proc
     if fault == 'hang':
         w.min_timeout, w.factor = 2.0, 1.0
     step.optimizer.zero_grad()
@@ -111,7 +121,7 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), k
     assert w.proc is None and w.bufs is None  # stopped, its shared memory freed
-    assert not [p for p in multiprocessing.active_children() if p.name == 'ane-worker']  # and reaped
+    assert proc.exitcode is not None and proc not in multiprocessing.active_children()  # and reaped
 
 
 def test_worker_that_cannot_start_is_one_clear_error(worker):
