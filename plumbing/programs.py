@@ -179,7 +179,7 @@ def export_programs(cfg, B, T, path, build, pieces):
             model.short_description = f"HeteroEngine GPT-2 {piece}, {B}x{T} tokens"
             model.save(program_path(tmp, piece))
             reports[piece] = program_report(load_coreml_program(program_path(tmp, piece)))
-        check_ane_limits(reports, B)
+            check_ane_limits({piece: reports[piece]}, B)  # before the next piece's conversion
         with open(os.path.join(tmp, META), 'w') as f:
             json.dump(meta(cfg, B, T, pieces), f)
         shutil.rmtree(path, ignore_errors=True)

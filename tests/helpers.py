@@ -51,6 +51,10 @@ def main(data_dir, out_dir, base=TINY, **settings):
     return 0
 
 
+# the Core ML programs most tests share (conftest.py's exported): a model, and B sequences of T tokens a call
+PROGRAMS = dict(cfg=hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100), B=2, T=8)
+
+
 # ---- engines and a clock the test controls
 
 class Clock:

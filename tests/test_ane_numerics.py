@@ -9,6 +9,7 @@ import torch
 
 import export_ane
 import hetero_gpt as hg
+import helpers
 from plumbing import programs
 from plumbing import settings
 from test_grads import cosine  # fp64 cosine of two tensors
@@ -185,8 +186,8 @@ def test_injected_overflow_is_caught_and_never_applied(exported):
     # finite (isfinite alone would pass this step: in IEEE fp16 it gives inf or nan), but some
     # reach 2^14: CoreMLEngine marks the microbatch, the step drops the ANE's gradients, halves
     # its loss scale, and the update uses the GPU engine's gradient alone.
-    cfg = hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=32)
-    path = exported(cfg, 2, 8)
+    cfg = helpers.PROGRAMS['cfg']
+    path = exported(**helpers.PROGRAMS)
     torch.manual_seed(0)
     model = hg.GPT(cfg)
     with torch.no_grad():

@@ -13,6 +13,7 @@ import torch
 from tools import ane_check
 import export_ane
 import hetero_gpt as hg
+import helpers
 from plumbing import memory
 
 pytest.importorskip('coremltools')  # (the programs' stages export)
@@ -24,18 +25,16 @@ def test_a_stage_that_dies_or_raises_is_reported_and_the_next_runs():
     # each stage in a spawned process: one that raises is 'failed' with its error, one killed
     # (SIGKILL, as a failed ANE compile) is 'killed', and the stages after each still run and
     # see the results before them. The timeout is far past a spawn (300 s): no stage here hangs
-    stages = [('first', False, ''), ('killed', False, ''), ('raises', False, ''), ('on_a_mac', True, ''),
-              ('last', False, '')]
-    targets = {'first': 'check_stages:ok', 'killed': 'check_stages:sigkill', 'raises': 'check_stages:raises',
-               'on_a_mac': 'check_stages:ok', 'last': 'check_stages:ok'}
+    stages = [('killed', False, ''), ('raises', False, ''), ('on_a_mac', True, ''), ('last', False, '')]
+    targets = {'killed': 'check_stages:sigkill', 'raises': 'check_stages:raises', 'on_a_mac': 'check_stages:ok',
+               'last': 'check_stages:ok'}
     records = ane_check.run_all({}, stages, timeout=300, log=lambda s: None, targets=targets)
     status = {r['name']: r['status'] for r in records}
-    assert status == {'first': 'ok', 'killed': 'killed', 'raises': 'failed',
-                      'on_a_mac': 'ok' if hg.ON_MAC else 'needs macOS', 'last': 'ok'}
+    assert status == {'killed': 'killed', 'raises': 'failed', 'on_a_mac': 'ok' if hg.ON_MAC else 'needs macOS',
+                      'last': 'ok'}
     by = {r['name']: r for r in records}
     assert 'SIGKILL' in by['killed']['error'] and "ValueError: a stage's own error" == by['raises']['error']
-    assert by['first']['result'] == {'seen': []}
-    ran = ['first', 'killed', 'raises'] + (['on_a_mac'] if hg.ON_MAC else [])
+    ran = ['killed', 'raises'] + (['on_a_mac'] if hg.ON_MAC else [])
     assert by['last']['result'] == {'seen': sorted(ran)}  # results reach later stages
 
 
@@ -79,8 +78,8 @@ def test_the_stages_that_run_off_macos(exported):
     # the stages' own functions, in this process, on programs exported once (the programs
     # stage finds them there, for these shapes, and reuses them); the command runs each in a
     # process of its own (test_the_check_command_off_macos, slow)
-    cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
-    ctx = dict(cfg=dataclasses.asdict(cfg), B=2, T=8, out=exported(cfg, 2, 8), gpu_batch=4, results={})
+    cfg = helpers.PROGRAMS['cfg']
+    ctx = dict(cfg=dataclasses.asdict(cfg), B=2, T=8, out=exported(**helpers.PROGRAMS), gpu_batch=4, results={})
     env = ane_check.environment(ctx)
     assert env['torch'] == torch.__version__ and env['coremltools'] == ane_check.settings.import_coremltools().__version__
     assert ('macos' in env) == hg.ON_MAC

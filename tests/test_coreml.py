@@ -128,7 +128,8 @@ def test_programs_past_the_ane_memory_are_refused(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(coreml_programs, 'ANE_MEMORY', 2**20)  # 1 MiB: the tiny head's logits need more
     rc = export_ane.main(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '64',
                           '--vocab_size', '500', '--ane_batch_size', '8', '--out', str(tmp_path / 'big')])
-    assert rc == 2 and 'past the ANE' in capsys.readouterr().err and not os.path.exists(tmp_path / 'big')
+    err = capsys.readouterr().err
+    assert rc == 2 and 'program head needs' in err and 'past the ANE' in err and not os.path.exists(tmp_path / 'big')
 
 
 def test_programs_for_other_shapes_are_refused(package):

@@ -28,7 +28,6 @@ TRAIN = ['--dataset', 'shakespeare', *TINY, '--batch_size', '2', '--gradient_acc
          '--eval_interval', '2', '--eval_iters', '1', '--log_interval', '1', '--sample_tokens', '0', '--seed', '3']
 # the trainer's programs for TRAIN's model, and a smaller model's for the scripts below: 2 x 32 tokens a call
 TRAIN_MODEL = hg.GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
-MODEL = hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200)
 
 
 def mac(args, cwd, timeout=600, **switches):
@@ -59,10 +58,10 @@ def cwd_with_data(shakespeare, tmp_path):
     return tmp_path
 
 
-def programs_in(folder, exported, cfg):
-    """A copy, in folder/p, of the programs for cfg at 2 x 32 tokens a call (exported once a test
-    run): what is compiled for Core ML goes into the copy."""
-    shutil.copytree(exported(cfg, 2, 32), folder / 'p')
+def programs_in(folder, exported, cfg=None, B=2, T=32):
+    """A copy, in folder/p, of the programs for cfg at B x T tokens a call (exported once a test
+    run; by default helpers.PROGRAMS): what is compiled for Core ML goes into the copy."""
+    shutil.copytree(exported(cfg, B, T) if cfg else exported(**helpers.PROGRAMS), folder / 'p')
     return str(folder / 'p')
 
 
@@ -226,9 +225,10 @@ m.close()
 say('energy', m.parts)
 
 # Core ML's late release of its inputs
-cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200)
+meta = programs.read_meta('p')
+cfg, B, T = hg.GPTConfig(**{k: meta[k] for k in hg.GPTConfig().__dict__}), meta['ane_batch_size'], meta['seq_len']
 m = ct.models.CompiledMLModel(new, compute_units=ct.ComputeUnit.CPU_AND_NE)
-inputs = lambda: {k: np.zeros(s, np.float32) for k, s in hg.piece_input_shapes(cfg, 2, 32, 'head').items()}
+inputs = lambda: {k: np.zeros(s, np.float32) for k, s in hg.piece_input_shapes(cfg, B, T, 'head').items()}
 kept = inputs()
 for _ in range(3):
     programs.coreml_predict(m, kept)  # the same buffers, through fresh views each call
@@ -245,8 +245,8 @@ say('survived', True)
 
 
 def run_parts(exported, folder, misuse):
-    """PARTS in folder, on a copy of MODEL's programs: (the process, {part: value}, folder)."""
-    programs_in(folder, exported, MODEL)
+    """PARTS in folder, on a copy of helpers.PROGRAMS: (the process, {part: value}, folder)."""
+    programs_in(folder, exported)
     r = mac(['-c', PARTS, misuse], folder, cpu_ops='abs')  # (the compute plan puts abs on the CPU)
     said = [json.loads(line) for line in r.stdout.splitlines() if line.startswith('[')]
     return r, dict(said), folder

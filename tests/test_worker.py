@@ -151,8 +151,8 @@ def test_the_worker_runs_exported_programs(exported):
     # Mac has Core ML. Against the same programs in this process: the same fp16 arithmetic on
     # the same inputs (BLAS may order an fp32 sum otherwise, which can move an fp16 output by a
     # rounding: 2^-11 of the largest value); against fp64 autograd by direction (cosine >= 0.999)
-    gcfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
-    path = exported(gcfg, 2, 8)
+    gcfg = helpers.PROGRAMS['cfg']
+    path = exported(**helpers.PROGRAMS)
     cfg = hg.Config(**vars(gcfg), batch_size=4, ane_batch_size=2, ane_evaluator='numpy', ane_programs=path)
     spec = hg.ane_spec(cfg, torch.float16, log=pytest.fail) | dict(threads=1)  # found, not exported again
     w = plumbing_worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(256.0, 0), log=lambda s: None,
