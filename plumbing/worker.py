@@ -103,6 +103,7 @@ def share_cores(gpu_on_cpu):
 
 def serve(conn, names, spec, make):
     """The worker's loop: ('run', b, loss scale, new weights?) -> ('done', loss, peak, seconds)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer stops the worker
     try:
         torch.set_num_threads(spec['threads'])
         bufs = Buffers(spec['shapes'], spec['max_batch'], spec['T'], names)

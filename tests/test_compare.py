@@ -164,7 +164,6 @@ def test_compare_end_to_end(comparison):
     assert 'paired TOST' in printed and 'paired t-test' in printed
     # hetero with the fp16 stand-in is GPU-only up to fp16 rounding (1e-5 of the perplexity): equivalent
     assert saved['tost_hetero_vs_gpu']['equivalent']
-    assert summary['modes']['gpu']['final_val_ppl'] == saved['modes']['gpu']['final_val_ppl']
     try:
         import matplotlib  # noqa: F401
         assert saved['plot'] and (out / 'compare.png').stat().st_size > 0

@@ -3,6 +3,7 @@ buffers, the timeouts and every fault path, with stand-ins for Core ML (tests/wo
 import dataclasses
 import multiprocessing
 import os
+import signal
 
 import pytest
 import torch
@@ -74,6 +75,15 @@ def test_worker_computes_what_the_engine_computes_here(healthy):
     assert w.bufs.g['transformer.wte.weight'].any()
 
 
+def test_ctrl_c_is_the_trainers(healthy):
+    # Ctrl-C in a terminal reaches every process of the group, the worker too: the trainer
+    # handles it (a checkpoint) and stops the worker; the worker itself carries on until then
+    healthy.load_weights(dict(hg.GPT(CFG).named_parameters()))
+    os.kill(healthy.proc.pid, signal.SIGINT)
+    loss, _ = healthy.loss_and_grads(*batches(1)[0])
+    assert healthy.proc.is_alive() and torch.isfinite(loss)
+
+
 def test_weights_are_sent_once_per_step(healthy, monkeypatch):
     w = healthy
     model = hg.GPT(CFG)
@@ -127,6 +137,17 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
 def test_worker_that_cannot_start_is_one_clear_error(worker):
     with pytest.raises(hg.UserError, match='could not start.*no Neural Engine here.*--mode gpu'):
         worker(make=worker_faults.cannot_start)
+
+
+def test_a_full_dev_shm_is_refused_before_the_worker_starts(monkeypatch):
+    # Linux: a tmpfs without room fails at the first write into it (SIGBUS), so its free space
+    # is checked first (here: 40 KiB free, for the 0.27 MiB the buffers take)
+    class Full:
+        f_bavail, f_frsize = 10, 4096
+    monkeypatch.setattr(plumbing_worker.os, 'statvfs', lambda path: Full())
+    monkeypatch.setattr(plumbing_worker.shared_memory, 'SharedMemory', lambda **kw: pytest.fail('nothing allocated'))
+    with pytest.raises(hg.UserError, match=r'could not allocate 0 MiB .*\(/dev/shm has 0 MiB free\).*--ane_worker false'):
+        plumbing_worker.WorkerEngine(spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
 
 
 def test_shared_memory_that_cannot_be_allocated(monkeypatch):
