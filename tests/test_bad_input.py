@@ -95,6 +95,32 @@ def test_settings_that_do_not_apply_are_named_once(capsys):
         hg.setup(*hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_evaluator', 'coreml']))
 
 
+def test_devices_that_are_not_here(monkeypatch):
+    # a GPU index past those PyTorch sees, MPS off a Mac: one line each, before anything is made
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    with pytest.raises(hg.UserError, match=r"--device cuda:1: PyTorch sees 1 CUDA GPU\(s\) here"):
+        hg.settings.resolve_device('cuda:1')
+    monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: False)
+    with pytest.raises(hg.UserError, match='--ane_device mps: MPS is not available here'):
+        hg.settings.resolve_device('mps', '--ane_device')
+
+
+def test_a_mac_takes_its_own_defaults_for_flags_not_given(monkeypatch):
+    # on a Mac (its GPU: MPS) the microbatches that fit a 16 GB Mac, MAC_DEFAULTS, replace the
+    # settings not given; a flag given wins. (The Mac's own checks, done elsewhere, pass here.)
+    s = hg.settings
+    monkeypatch.setattr(s, 'ON_MAC', True)
+    monkeypatch.setattr(s, 'resolve_device', lambda name, flag='--device': torch.device('mps'))
+    for check in ('check_mps', 'check_coreml', 'check_ane_alignment'):
+        monkeypatch.setattr(s, check, lambda *a, **k: None)
+    for flags, want in (([], hg.MAC_DEFAULTS), (['--batch_size', '4'], dict(hg.MAC_DEFAULTS, batch_size=4))):
+        said = []
+        cfg, given = hg.parse_args(flags)
+        assert s.check(cfg, given, hg.CPU_DEFAULTS, hg.MAC_DEFAULTS, log=said.append) == (torch.device('mps'), torch.float32)
+        assert {k: getattr(cfg, k) for k in want} == want and cfg.mode == 'hetero' and cfg.n_layer == 12
+        assert said[0].startswith('on a Mac: microbatches that fit a 16 GB one') and 'batch_size=4' not in said[0]
+
+
 def test_help_says_what_replaces_the_defaults_without_a_gpu(capsys):
     with pytest.raises(SystemExit):
         hg.parse_args(['--help'])

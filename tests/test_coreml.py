@@ -95,6 +95,23 @@ def test_programs_are_ane_shaped(package):
     assert st['matmul_flops'] == whole['matmul_flops'] + CFG.n_layer * (reports['block_forward']['matmul_flops'] - 8 * N * C * C)
 
 
+def test_the_export_report(package, capsys):
+    # what `python export_ane.py` prints after saving: a row per program (its calls per ANE
+    # call, ops, GFLOP, MiB in, out, live, largest dimension, ops off the ANE), then the call's
+    # totals against the analytic count
+    reports = package['reports']['pieces']
+    export_ane.print_report(reports, CFG, B, T)
+    lines = capsys.readouterr().out.splitlines()
+    st = ane_check.step_report(reports, CFG, B, T)
+    rows = {line.split()[0]: line.split() for line in lines[1:4]}
+    for piece, r in reports.items():
+        assert rows[piece][1:3] == [str(st['calls'][piece]), str(r['ops'])] and rows[piece][-1] == 'none'
+        assert rows[piece][-2] == str(r['largest_dim']) and float(rows[piece][3]) == round(r['flops'] / 1e9, 2)
+    assert st['calls'] == {'block_forward': 2, 'head': 1, 'block_backward': 2}
+    assert f"ratio {st['matmul_flops'] / st['analytic_matmul_flops']:.3f} (the block backward recomputes" in lines[5]
+    assert lines[6].startswith(f"largest live memory {st['live_bytes'] / 2**20:.0f} MiB")
+
+
 def test_flops_for_gpt2_124m_analytic_within_2_percent():
     # the analytic count for GPT-2 124M at B=4, T=1024 against the usual 6*N*params + attention
     exact, estimate = ane_check.analytic_flops(hg.GPTConfig(), 4, 1024)
@@ -215,6 +232,16 @@ def test_trainer_exports_once_and_reuses(tmp_path):
     cfg.n_layer = 1
     with pytest.raises(hg.UserError, match='other shapes'):
         ensure_programs(cfg, log=said.append)
+
+
+def test_a_folder_of_the_whole_step_is_taken_if_named(package):
+    # --ane_programs naming a folder of the whole step as one program (export_ane.py --whole_step)
+    # for the run's shapes: taken as it is, not exported again; one the run did not name is
+    # the trainer's own, made again as its three programs
+    build = lambda *a: pytest.fail('not exported again')
+    assert coreml_programs.ensure(package['step'], CFG, B, T, build, hg.ANE_PIECES, named=True) == package['step']
+    with pytest.raises(hg.UserError, match='other shapes'):
+        coreml_programs.ensure(package['step'], CFG, B + 1, T, build, hg.ANE_PIECES, named=True)
 
 
 def test_programs_without_biases(exported):

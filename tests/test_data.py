@@ -1,5 +1,6 @@
 """Tests for prepare_data.py; offline and fast (the Shakespeare fallback tokenizes ~1.1 MB, about a second)."""
 import hashlib
+import io
 import json
 import re
 import subprocess
@@ -244,3 +245,33 @@ def test_shakespeare_offline_fallback(shakespeare, capsys):
     again = prepare_data.load(root / "data", "shakespeare", 64, 50257)
     assert capsys.readouterr().out == "" and np.array_equal(again["val"], val)
     assert prepare_data.rebuild_command(out, meta) == f"python prepare_data.py shakespeare --data_dir {root / 'data'}"
+
+
+def test_shakespeare_download(tmp_path, monkeypatch):
+    # online: Tiny Shakespeare fetched from its URL (here a response the test serves, with its
+    # Content-Length), saved whole, its source the URL; a download cut off midway leaves
+    # nothing under either name and says so
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 300
+    served = []
+
+    class Response(io.BytesIO):
+        headers = {"Content-Length": str(len(text.encode()))}
+
+    def urlopen(url, timeout=None):
+        served.append(url)
+        return Response(text.encode())
+    monkeypatch.setattr(prepare_data.urllib.request, "urlopen", urlopen)
+    out = prepare("shakespeare", data_dir=tmp_path)
+    meta, train, val = read_set(out)
+    assert served == [prepare_data.SHAKESPEARE_URL] and meta["source"] == prepare_data.SHAKESPEARE_URL
+    assert (out / "input.txt").read_text(encoding="utf-8") == text
+    enc = get_encoding()
+    assert enc.decode(train.tolist()) + enc.decode(val.tolist()) == text
+
+    class CutOff(Response):
+        def read(self, n=-1):
+            raise ConnectionResetError("connection reset by peer")
+    monkeypatch.setattr(prepare_data.urllib.request, "urlopen", lambda url, timeout=None: CutOff(b""))
+    with pytest.raises(DataError, match="could not download .*connection reset by peer"):
+        prepare_data.download(prepare_data.SHAKESPEARE_URL, tmp_path / "cut.txt")
+    assert not list(tmp_path.glob("cut.txt*"))

@@ -140,6 +140,23 @@ def test_fp16_autograd_engine_scales_its_loss():
     assert not hg.AutogradEngine(model, cpu, torch.bfloat16, scaler=hg.LossScaler(1024.0, 100)).scaler.enabled
 
 
+@pytest.mark.slow
+def test_compiled_autograd_engine_gives_autograds_gradients():
+    # --compile: the GPU engine's model through torch.compile, against eager autograd: the same
+    # loss and gradients to fp32 rounding of fused kernels (test_grads.py's fp32 bound, 1e-4)
+    import test_grads as tg
+    torch.manual_seed(0)
+    model = hg.GPT(hg.GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=2, n_embd=32))
+    idx, targets = (torch.randint(0, 300, (2, 16)) for _ in range(2))
+    cpu = torch.device('cpu')
+    out = {}
+    for compiled in (False, True):
+        loss, grads = hg.AutogradEngine(model, cpu, torch.float32, compile=compiled).loss_and_grads(idx, targets)
+        out[compiled] = loss.item(), {k: g.clone() for k, g in grads.items()}
+    assert abs(out[True][0] - out[False][0]) <= tg.TOL[torch.float32] * out[False][0]
+    assert max(tg.rel_err(out[True][1][k], g) for k, g in out[False][1].items()) <= tg.TOL[torch.float32]
+
+
 def test_bad_flags_and_data(data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         hg.parse_args(['--no_such_flag', '1'])

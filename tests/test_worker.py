@@ -215,3 +215,33 @@ def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
     finally:
         engines['ane'].close()
     assert engines['ane'].proc is None
+
+
+KILLED = """
+import os, sys, time, hetero_gpt as hg, test_worker as t
+from plumbing import worker
+w = worker.WorkerEngine(t.spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False), log=lambda s: None)
+print(w.proc.pid, *w.bufs.names.values(), flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir('/dev/shm'), reason="reads /proc and /dev/shm")
+def test_a_killed_trainer_leaves_no_worker_and_no_shared_memory():
+    # the training process SIGKILLed (no finalizer runs): its worker reads the end of its pipe
+    # and exits, and the shared memory is unlinked (multiprocessing's resource tracker outlives
+    # the trainer). Bounded at 60 s: the worker exits at once, the tracker within a second
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import subprocess
+    import sys
+    import time
+    p = subprocess.Popen([sys.executable, '-c', KILLED], stdout=subprocess.PIPE, text=True, cwd=root,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, 'tests')])))
+    pid, *names = p.stdout.readline().split()
+    p.kill()
+    p.wait()
+    t0 = time.monotonic()
+    while os.path.exists(f'/proc/{pid}') or any(os.path.exists(f'/dev/shm/{n.lstrip("/")}') for n in names):
+        assert time.monotonic() - t0 < 60, (pid, names)
+        time.sleep(0.1)
