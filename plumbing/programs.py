@@ -401,7 +401,7 @@ def numpy_predict(prog, ane=False):
         out = {o.name: env[o.name] for o in f.outputs}
         env.clear()
         if made > 2**26:  # the MIL ops made above hold their values in reference cycles: free
-            gc.collect()  # large ones now (a full collection costs ~0.3 s beside PyTorch)
+            gc.collect()  # large ones now (a full collection is slow beside PyTorch's objects)
         return out
     return predict
 
