@@ -211,9 +211,10 @@ def test_export_cli_refuses_too_many_tokens(tmp_path, capsys):
     assert rc == 2 and 'at most 16384' in capsys.readouterr().err
 
 
-def test_trainer_exports_once_and_reuses(tmp_path):
+def test_trainer_exports_once_and_reuses(tmp_path, monkeypatch):
     # what --mode ane/hetero does on macOS: export for the run's shapes, reuse them next time,
-    # export again when the shapes change
+    # export again when the shapes change (that export, as the first, by export_programs: here
+    # only its call is seen)
     said = []
     cfg, _ = hg.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '8',
                             '--vocab_size', '100', '--batch_size', '6', '--out_dir', str(tmp_path),
@@ -225,13 +226,16 @@ def test_trainer_exports_once_and_reuses(tmp_path):
     stamp = spec.stat().st_mtime_ns
     assert ensure_programs(cfg, log=said.append) == path and len(said) == 1
     assert spec.stat().st_mtime_ns == stamp
+    assert export_ane.open_programs(path).cfg.n_layer == 1
+    exports = []
+    monkeypatch.setattr(coreml_programs, 'export_programs', lambda *a: exports.append(a))
     cfg.n_layer = 2  # same folder name, other model: exported again
-    ensure_programs(cfg, log=said.append)
-    assert 'other shapes' in said[1] and export_ane.open_programs(path).cfg.n_layer == 2
-    cfg.ane_programs = path  # a folder the user names is never overwritten
-    cfg.n_layer = 1
+    assert ensure_programs(cfg, log=said.append) == path
+    assert 'other shapes' in said[1] and [(a[0].n_layer, a[1:4]) for a in exports] == [(2, (3, 8, path))]
+    cfg.ane_programs = path  # a folder the user names is never overwritten: its programs are n_layer 1's
     with pytest.raises(hg.UserError, match='other shapes'):
         ensure_programs(cfg, log=said.append)
+    assert len(exports) == 1
 
 
 def test_a_folder_of_the_whole_step_is_taken_if_named(package):

@@ -3,6 +3,7 @@ that ran the same microbatches, resume across numbers of ranks, the mean over th
 usable microbatches, ranks whose weights part, and a rank that dies or hangs."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -86,7 +87,10 @@ def assert_close(a, b):
 def test_two_ranks_match_one_process_and_resume_across_numbers_of_ranks(data_dir, tmp_path):
     one_process(data_dir, tmp_path / 'one', '--max_iters', '8')
     straight = weights(tmp_path / 'one')
-    one_process(data_dir, tmp_path / 'a', '--max_iters', '4')  # a: 1 process to step 4, then 2 ranks
+    # a: 1 process to step 4 (the straight run's checkpoint before its last: the rate is constant), then 2 ranks
+    shutil.copytree(tmp_path / 'one', tmp_path / 'a')
+    os.replace(tmp_path / 'a' / 'ckpt.prev.pt', tmp_path / 'a' / 'ckpt.pt')
+    assert torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=True)['iter_num'] == 4
     (out, _, _), (out1, _, _) = two_ranks(data_dir, tmp_path / 'b', '--max_iters', '4')  # b: 2 ranks, then 1
     assert_close(weights(tmp_path / 'b'), weights(tmp_path / 'a'))
     # only rank 0 writes: its files, each row once; and its rows hold every rank's split and speeds

@@ -311,6 +311,15 @@ print('export_ane.py', export_ane.main(%r), flush=True)
 """ % TINY
 
 
+@pytest.mark.skipif(settings.ON_MAC, reason="a Mac's coremltools has its Core ML runtime")
+def test_coremltools_without_core_ml_is_named():
+    # Linux's coremltools has no Core ML runtime, as one installed from its source archive on a
+    # Mac: the check every Mac command makes first says so, with what to do
+    with pytest.raises(settings.UserError, match=r'has no Core ML runtime \(libcoremlpython\).*--mode gpu'):
+        settings.check_coreml()
+
+
+@pytest.mark.slow
 def test_commands_without_core_ml_are_refused_in_one_line(tmp_path):
     # coremltools installed without its native libraries (from its source archive): the trainer
     # and the export each refuse at start in one line, and write nothing
