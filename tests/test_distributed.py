@@ -192,15 +192,16 @@ def test_killed_rank_is_named_by_the_others(data_dir, tmp_path):
 
 
 def test_hung_rank_is_named_after_the_timeout(data_dir, tmp_path):
-    # rank 1 stopped (SIGSTOP): rank 0's next collective times out after --dist_timeout, and names it
-    procs = ranks(2, data_dir, tmp_path, '--max_iters', '100000', '--dist_timeout', '3')
+    # rank 1 stopped (SIGSTOP): rank 0's next collective times out after --dist_timeout, and names it.
+    # (5 s: the ranks' start also waits for each other that long, and they may start seconds apart)
+    procs = ranks(2, data_dir, tmp_path, '--max_iters', '100000', '--dist_timeout', '5')
     try:
         rows_reach(tmp_path, 6, procs[0])
         procs[1].send_signal(signal.SIGSTOP)
         t0 = time.time()
         _, err = procs[0].communicate(timeout=HANG)
         assert procs[0].returncode == 1 and 'error: rank 0: ranks [1] stopped' in err, err
-        assert 'Timed out' in err and time.time() - t0 >= 3
+        assert 'Timed out' in err and time.time() - t0 >= 5
     finally:
         procs[1].kill()
         procs[1].communicate()
