@@ -23,9 +23,15 @@ B, T = 3, 7
 
 @pytest.fixture(scope='module')
 def package(exported):
-    """The three programs, and the whole step as one: {'pieces': folder, 'step': folder, 'reports': ...}."""
-    out = {'pieces': exported(CFG, B, T), 'step': exported(CFG, B, T, whole_step=True)}
-    return out | {'reports': {k: exported.reports[p] for k, p in out.items()}}
+    """The three programs: {'pieces': folder, 'reports': {'pieces': their reports}}."""
+    return {'pieces': exported(CFG, B, T), 'reports': {'pieces': exported.reports[exported(CFG, B, T)]}}
+
+
+@pytest.fixture(scope='module')
+def whole_step(exported):
+    """The whole step as one program (export_ane.py --whole_step, to compare): (folder, reports)."""
+    path = exported(CFG, B, T, whole_step=True)
+    return path, exported.reports[path]
 
 
 def reference(seed=0, b=B):
@@ -41,13 +47,14 @@ def cosines(grads, model):
     return helpers.cosines(grads, model.grads)
 
 
-@pytest.mark.parametrize('kind', ['pieces', 'step'])
-def test_saved_programs_match_autograd(package, kind):
+@pytest.mark.parametrize('kind', ['pieces', pytest.param('step', marks=pytest.mark.slow)])
+def test_saved_programs_match_autograd(request, kind):
     # fp16 programs (unit roundoff 4.9e-4): the loss, a mean of log-sum-exps of ~10, within
     # 1e-2 relative; gradients compared by direction (cosine >= 0.999), all finite.
     # The engine's microbatch is 3 sequences; it takes 6 as two calls, the mean of the two.
     model, idx, targets, ref_loss = reference(b=2 * B)
-    engine = export_ane.open_programs(package[kind], scaler=hg.LossScaler(1024.0, 0))
+    path = request.getfixturevalue('package')['pieces'] if kind == 'pieces' else request.getfixturevalue('whole_step')[0]
+    engine = export_ane.open_programs(path, scaler=hg.LossScaler(1024.0, 0))
     assert engine.pieces == ((kind,) if kind == 'step' else hg.ANE_PIECES)
     engine.load_weights(dict(model.named_parameters()))
     loss, grads = engine.loss_and_grads(idx, targets)
@@ -85,14 +92,21 @@ def test_programs_are_ane_shaped(package):
     assert reports['head']['bytes_out'] == 2 * (outs + len(peaks))  # a gradient per input but loss_scale; the loss; a value per peak
     for piece, r in reports.items():  # the peaks: abs and reduce_max of each hidden matmul result, no chain of maximum
         assert r['op_types'].get('maximum', 0) <= 2, piece  # (layernorm's floor on its row scale: one each)
-    # every matmul of the derivation and nothing else: the whole step is the analytic count,
-    # the pieces that plus one forward of each block (its backward recomputes it) but for the
-    # MLP's projection (2 N 4C C), whose output the backward does not need (dead, removed)
+    # every matmul of the derivation and nothing else: the analytic count, plus one forward of
+    # each block (its backward recomputes it) but for the MLP's projection (2 N 4C C), whose
+    # output the backward does not need (dead, removed). (The whole step as one program: the
+    # analytic count alone, test_the_whole_step_is_the_analytic_count.)
     st = ane_check.step_report(reports, CFG, B, T)
-    whole = ane_check.step_report(package['reports']['step'], CFG, B, T)
-    assert whole['matmul_flops'] == whole['analytic_matmul_flops']
     N, C = B * T, CFG.n_embd
-    assert st['matmul_flops'] == whole['matmul_flops'] + CFG.n_layer * (reports['block_forward']['matmul_flops'] - 8 * N * C * C)
+    assert st['matmul_flops'] == st['analytic_matmul_flops'] + CFG.n_layer * (
+        reports['block_forward']['matmul_flops'] - 8 * N * C * C)
+
+
+@pytest.mark.slow
+def test_the_whole_step_is_the_analytic_count(whole_step):
+    whole = ane_check.step_report(whole_step[1], CFG, B, T)
+    assert whole['matmul_flops'] == whole['analytic_matmul_flops'] and whole['calls'] == {'step': 1}
+    assert whole_step[1]['step']['off_ane'] == []
 
 
 def test_the_export_report(package, capsys):
@@ -238,14 +252,15 @@ def test_trainer_exports_once_and_reuses(tmp_path, monkeypatch):
     assert len(exports) == 1
 
 
-def test_a_folder_of_the_whole_step_is_taken_if_named(package):
+@pytest.mark.slow
+def test_a_folder_of_the_whole_step_is_taken_if_named(whole_step):
     # --ane_programs naming a folder of the whole step as one program (export_ane.py --whole_step)
     # for the run's shapes: taken as it is, not exported again; one the run did not name is
     # the trainer's own, made again as its three programs
     build = lambda *a: pytest.fail('not exported again')
-    assert coreml_programs.ensure(package['step'], CFG, B, T, build, hg.ANE_PIECES, named=True) == package['step']
+    assert coreml_programs.ensure(whole_step[0], CFG, B, T, build, hg.ANE_PIECES, named=True) == whole_step[0]
     with pytest.raises(hg.UserError, match='other shapes'):
-        coreml_programs.ensure(package['step'], CFG, B + 1, T, build, hg.ANE_PIECES, named=True)
+        coreml_programs.ensure(whole_step[0], CFG, B + 1, T, build, hg.ANE_PIECES, named=True)
 
 
 def test_programs_without_biases(exported):

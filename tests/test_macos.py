@@ -117,8 +117,8 @@ def test_a_resumed_run_recompiles_a_damaged_entry_and_trains_without_sudo(shakes
     assert rows(cwd)[-1]['step'] == 3 and 'joules_per_token' not in rows(cwd)[-1]
 
 
-@pytest.mark.parametrize('fail,worker', [('load', 'false'), pytest.param('load', 'true', marks=pytest.mark.slow),
-                                         ('sigkill', 'true')])
+@pytest.mark.slow
+@pytest.mark.parametrize('fail,worker', [('load', 'false'), ('load', 'true'), ('sigkill', 'true')])
 def test_a_failed_neural_engine_compile(shakespeare, exported, tmp_path, fail, worker):
     # an exception at load stops the run at start with one line that names it (in the worker,
     # or in this process); a SIGKILL at the first predict (coremltools #2758) retires the ANE
@@ -191,42 +191,63 @@ def test_bench(shakespeare, tmp_path):
 # imports PyTorch and coremltools). The parts print [name, value] lines; the last part ends the
 # process as Core ML's late release would (SIGSEGV), so it comes last.
 PARTS = """
-import json, os, sys, time, numpy as np, coremltools as ct, hetero_gpt as hg
+import json, os, sys, time, numpy as np, torch, coremltools as ct, hetero_gpt as hg
 from plumbing import energy, programs
 say = lambda part, value: print(json.dumps([part, value]), flush=True)
+meta = programs.read_meta('p')
+cfg, B, T = hg.GPTConfig(**{k: meta[k] for k in hg.GPTConfig().__dict__}), meta['ane_batch_size'], meta['seq_len']
 
 # the compile cache
-path, cached = programs.compiled_model('p', 'head')
+path, cached = programs.compiled_model('c', 'head')
 assert not cached and os.path.isfile(os.path.join(path, 'DONE')) and path.endswith('.mlmodelc')
-assert programs.compiled_model('p', 'head') == (path, True)
+assert programs.compiled_model('c', 'head') == (path, True)
 os.remove(os.path.join(path, 'DONE'))  # as a crash mid-compile leaves it
-assert programs.compiled_model('p', 'head') == (path, False)
+assert programs.compiled_model('c', 'head') == (path, False)
 with open(os.path.join(path, 'coremldata.bin'), 'wb') as f:
     f.write(b'damaged')  # cached, but Core ML cannot load it: compiled again, once
 load = lambda compiled: ct.models.CompiledMLModel(compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
-programs.load_compiled('p', 'head', load)
-assert programs.compiled_model('p', 'head') == (path, True)
-with open(os.path.join(programs.program_path('p', 'head'), 'Manifest.json'), 'a') as f:
+programs.load_compiled('c', 'head', load)
+assert programs.compiled_model('c', 'head') == (path, True)
+with open(os.path.join(programs.program_path('c', 'head'), 'Manifest.json'), 'a') as f:
     f.write(' ')  # another program under the same name
-gone, running = 'p/compiled/.head-0.tmp999999999.mlmodelc', f'p/compiled/.head-0.tmp{os.getppid()}.mlmodelc'
+gone, running = 'c/compiled/.head-0.tmp999999999.mlmodelc', f'c/compiled/.head-0.tmp{os.getppid()}.mlmodelc'
 os.makedirs(gone), os.makedirs(running)  # temporaries: of a process that is gone, of one still running
-new, cached = programs.compiled_model('p', 'head')
+new, cached = programs.compiled_model('c', 'head')
 assert new != path and not cached and not os.path.exists(path)
 assert not os.path.exists(gone) and os.path.exists(running)
-say('cache', sorted(os.listdir('p/compiled')))
+say('cache', sorted(os.listdir('c/compiled')))
 
 # the compute plan
 say('placement', programs.macos_placement(new))
 
-# the energy meter
+# the energy meter; without sudo rights (the double's switch, read by its sudo)
 m = energy.PowermetricsMeter()
 time.sleep(1.0)
 m.close()
 say('energy', m.parts)
+os.environ['MACOS_DOUBLE_SUDO'] = '0'
+say('no sudo', energy.EnergyMeter(set()).missing)
+del os.environ['MACOS_DOUBLE_SUDO']
+
+# a Neural Engine compile that fails at load, in this process; one that kills the process at
+# its first predict (coremltools #2758), in the worker (the double's switch, read at each)
+spec = hg.ane_spec(hg.Config(**vars(cfg), batch_size=B, ane_programs='p'), None) | dict(threads=1)
+os.environ['MACOS_DOUBLE_FAIL'] = 'load'
+try:
+    hg.ane_engine(spec)
+except hg.UserError as e:
+    say('load', str(e))
+os.environ['MACOS_DOUBLE_FAIL'] = 'sigkill'
+from plumbing import worker
+w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(256.0, 0), log=lambda s: None)
+w.load_weights(dict(hg.GPT(cfg).named_parameters()))
+try:
+    w.loss_and_grads(*(torch.zeros(B, T, dtype=torch.long) for _ in range(2)))
+except worker.WorkerFault as e:
+    say('sigkill', str(e))
+del os.environ['MACOS_DOUBLE_FAIL']
 
 # Core ML's late release of its inputs
-meta = programs.read_meta('p')
-cfg, B, T = hg.GPTConfig(**{k: meta[k] for k in hg.GPTConfig().__dict__}), meta['ane_batch_size'], meta['seq_len']
 m = ct.models.CompiledMLModel(new, compute_units=ct.ComputeUnit.CPU_AND_NE)
 inputs = lambda: {k: np.zeros(s, np.float32) for k, s in hg.piece_input_shapes(cfg, B, T, 'head').items()}
 kept = inputs()
@@ -245,8 +266,10 @@ say('survived', True)
 
 
 def run_parts(exported, folder, misuse):
-    """PARTS in folder, on a copy of helpers.PROGRAMS: (the process, {part: value}, folder)."""
+    """PARTS in folder, on two copies of helpers.PROGRAMS (c: the compile cache's; p): (the
+    process, {part: value}, folder)."""
     programs_in(folder, exported)
+    shutil.copytree(folder / 'p', folder / 'c')
     r = mac(['-c', PARTS, misuse], folder, cpu_ops='abs')  # (the compute plan puts abs on the CPU)
     said = [json.loads(line) for line in r.stdout.splitlines() if line.startswith('[')]
     return r, dict(said), folder
@@ -266,7 +289,7 @@ def test_compile_cache(parts):
     assert 'cache' in said, r.stderr[-3000:]
     assert len(said['cache']) == 2 and said['cache'][0] == f'.head-0.tmp{os.getpid()}.mlmodelc'  # (this process's)
     assert re.fullmatch(r'head-[0-9a-f]{16}\.mlmodelc', said['cache'][1])
-    assert sum(e[0] == 'compile' for e in coreml_log(cwd)) == 4
+    assert sum(e[0] == 'compile' and e[1].startswith('c/') for e in coreml_log(cwd)) == 4
 
 
 def test_placement(parts, monkeypatch):
@@ -283,13 +306,25 @@ def test_the_energy_meter_against_powermetrics(parts):
     # powermetrics reports CPU 3 W, GPU 9 W (twice a sample), ANE 1.5 W: the meter counts each
     # part once a sample, so its parts stand in those ratios whatever the window (the watts of
     # a sample times its elapsed time: test_energy.py, on a captured text); closing stops the
-    # root powermetrics too (SIGTERM through sudo). (Without sudo rights it fails at once:
-    # test_a_failed_neural_engine_compile, sigkill)
+    # root powermetrics too (SIGTERM through sudo)
     r, said, cwd = parts
     energy = said['energy']
     assert energy['CPU'] > 0 and energy['GPU'] / energy['CPU'] == pytest.approx(3.0, rel=1e-12), energy
     assert energy['ANE'] / energy['CPU'] == pytest.approx(0.5, rel=1e-12), energy
     assert not [f for f in os.listdir(cwd) if f.startswith('powermetrics.')]  # none left running
+    # without sudo rights: no meter, and why, at once (not after powermetrics' wait for samples)
+    assert said['no sudo'] == ['PowermetricsMeter: powermetrics gave no samples (sudo: a password is required)']
+
+
+def test_a_failed_neural_engine_compile_in_short(parts):
+    # an exception at load (the engine in this process) is one error that names the program and
+    # Core ML's description; a SIGKILL at the first predict is the worker's death, named with
+    # what it likely was and what to try (the trainer's runs of both: slow, above)
+    r, said, _ = parts
+    assert said['load'].startswith('Core ML could not compile or load the program block_forward (RuntimeError: '
+                                   'Failed to build the model execution plan'), r.stderr[-3000:]
+    assert 'killed by SIGKILL' in said['sigkill'] and '#2758' in said['sigkill']
+    assert 'smaller --ane_batch_size' in said['sigkill'] and 'export_ane.py --check' in said['sigkill']
 
 
 @pytest.mark.parametrize('misuse', [pytest.param('temporary', marks=pytest.mark.slow), 'again'])
