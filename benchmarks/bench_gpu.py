@@ -4,18 +4,15 @@ The GPU engine's training step at nanoGPT's bench.py settings: GPT-2 124M, batch
 (AutogradEngine + HeteroStep + fused AdamW). Prints ms/iter (mean over the timed steps,
 as bench.py does, and the median step) and tokens/s.
 
-    python benchmarks/bench_gpu.py --dtype bfloat16 --compile
+    python -m benchmarks.bench_gpu --dtype bfloat16 --compile     # from the repository's root
 """
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hetero_gpt as hg  # noqa: E402
+import hetero_gpt as hg
 
 p = argparse.ArgumentParser()
 p.add_argument('--dtype', default='bfloat16')

@@ -3,7 +3,7 @@ The hand-derived step (eager PyTorch, no autograd) against autograd's forward + 
 of the same GPT-2, side by side in one run: tokens/s and peak memory per step.
 GPT-2 124M, batch 12 x 1024 by default; 3 warm-up and 10 timed steps each, median.
 
-    python benchmarks/bench_manual.py            # on a CUDA GPU
+    python -m benchmarks.bench_manual            # on a CUDA GPU, from the repository's root
 
 Rows, each beside autograd eager in the same precision (fp32, bf16, fp16):
   written out       the reference derivation (hetero_gpt.TorchOps), as the Core ML program records it
@@ -18,16 +18,13 @@ Peak memory is what one step allocates above the weights (max_memory_allocated a
 reset, minus what was allocated before the step; a graph's pool is added to its row).
 """
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hetero_gpt as hg  # noqa: E402
-from tools import fast_standin as standin  # noqa: E402
+import hetero_gpt as hg
+from tools import fast_standin as standin
 
 p = argparse.ArgumentParser()
 p.add_argument('--batch_size', type=int, default=12)

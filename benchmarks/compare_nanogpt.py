@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 
-here = os.path.dirname(os.path.abspath(__file__))
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's
 p = argparse.ArgumentParser()
 p.add_argument('--nanogpt', required=True)
 p.add_argument('--settings', default='float32,bfloat16,bfloat16+compile', help='which of the three rows')
@@ -52,13 +52,13 @@ for setting in a.settings.split(','):
     nano = lambda bias: run([sys.executable, 'bench.py', '--real_data=False', f'--dtype={dtype}',
                              f'--compile={compile}', f'--bias={bias}'], cwd=a.nanogpt)
     flags = (['--compile'] if compile else []) + (['--fast'] if a.fast else [])
-    ours = lambda bias, *more: run([sys.executable, os.path.join(here, 'bench_gpu.py'), '--dtype', dtype, '--bias', bias]
-                                   + flags + list(more))
+    ours = lambda bias, *more: run([sys.executable, '-m', 'benchmarks.bench_gpu', '--dtype', dtype, '--bias', bias]
+                                   + flags + list(more), cwd=root)
     padded = ['--vocab_size', '50304']  # nanoGPT's config pads the vocabulary: so does ours here
     cells = {'nanoGPT': lambda: nano(False), 'ours': lambda: ours('False', *padded)}
     if a.also:
-        cells['also'] = lambda: run([sys.executable, os.path.join(a.also, 'benchmarks', 'bench_gpu.py'), '--dtype', dtype,
-                                     '--bias', 'False'] + flags + padded)
+        cells['also'] = lambda: run([sys.executable, '-m', 'benchmarks.bench_gpu', '--dtype', dtype,
+                                     '--bias', 'False'] + flags + padded, cwd=a.also)
     if not a.like_for_like and not compile:  # bench.py compiles the same way either way
         cells |= {'nanoGPT bias': lambda: nano(True), 'ours bias': lambda: ours('True')}
     times = {k: [] for k in cells}

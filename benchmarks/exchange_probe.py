@@ -1,18 +1,15 @@
 """The fixed cost of one exchange with the ANE worker: the parent's wall time per call
 minus the worker's own, for a tiny model (grads of a 100-token vocabulary) and for
 gradients of 13 MiB (GPT-2's vocabulary), at several worker thread counts; and the time
-to copy those gradients out of shared memory.   python benchmarks/exchange_probe.py"""
-import os
-import sys
-import time
+to copy those gradients out of shared memory.   python -m benchmarks.exchange_probe"""
 import dataclasses
+import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-import hetero_gpt as hg  # noqa: E402
-from plumbing import worker  # noqa: E402
+import hetero_gpt as hg
+from plumbing import worker
 
 if __name__ == '__main__':
     for V, thr in ((100, 1), (50257, 1), (50257, 2), (50257, 8)):

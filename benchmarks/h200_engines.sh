@@ -13,4 +13,4 @@ python3 -m pytest -q -p no:cacheprovider tests/test_standin.py -k "not without_s
 [[ " ${PARTS:-nano manual} " == *" nano "* ]] &&
   timeout ${LIMIT_NANO:-450} python3 benchmarks/compare_nanogpt.py --nanogpt "${NANOGPT:-.bench/nanoGPT}" ${NANO_ARGS:-}
 [[ " ${PARTS:-nano manual} " == *" manual "* ]] &&
-  timeout ${LIMIT_MANUAL:-330} python3 benchmarks/bench_manual.py --compiled "${COMPILED-bfloat16}"
+  timeout ${LIMIT_MANUAL:-330} python3 -m benchmarks.bench_manual --compiled "${COMPILED-bfloat16}"

@@ -20,7 +20,7 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 [[ $NGPU -ge 1 ]] || NGPU=1
 k=0
 for seeds in ${SEED_GROUPS:-1-3 4-6}; do
-  CUDA_VISIBLE_DEVICES=$((k % NGPU)) timeout ${LIMIT:-400} python3 compare.py --dataset shakespeare --seeds $seeds \
+  CUDA_VISIBLE_DEVICES=$((k % NGPU)) timeout ${LIMIT:-400} python3 -m tools.compare --dataset shakespeare --seeds $seeds \
     --out_dir "$DIR" --drop_checkpoints --device cuda --block_size 256 --batch_size 8 --gradient_accumulation_steps 4 \
     --max_iters 200 --warmup_iters 20 --eval_interval 200 --eval_seconds 3 --log_interval 10 --ane_fraction 0.5 \
     ${FLAGS:---learning_rate 6e-4 --min_lr 6e-5} > "$DIR/log_$seeds.txt" 2>&1 &

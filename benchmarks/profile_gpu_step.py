@@ -2,19 +2,22 @@
 forward+backward alone and the whole step (+ fused AdamW; ours through HeteroStep), then
 prints the top CUDA kernels of one forward+backward of each model (torch.profiler).
 
-    NANOGPT=.bench/nanoGPT python benchmarks/profile_gpu_step.py
+    NANOGPT=.bench/nanoGPT python -m benchmarks.profile_gpu_step     # from the repository's root
 """
+import importlib.util
 import os
 import sys
 
 import torch
 
-here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, here)
-sys.path.insert(0, os.environ.get('NANOGPT', os.path.join(here, '.bench', 'nanoGPT')))
-import hetero_gpt as hg  # noqa: E402
-from benchmarks.cuda_timing import timeit  # noqa: E402
-import model as nano  # noqa: E402  (nanoGPT's model.py)
+import hetero_gpt as hg
+from benchmarks.cuda_timing import timeit
+
+# nanoGPT's model.py, from its checkout (not part of this repository), by its path
+nanogpt = os.environ.get('NANOGPT', '.bench/nanoGPT')
+spec = importlib.util.spec_from_file_location('nanogpt_model', os.path.join(nanogpt, 'model.py'))
+nano = sys.modules['nanogpt_model'] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(nano)
 
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 dev = torch.device('cuda')

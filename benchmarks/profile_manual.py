@@ -2,18 +2,15 @@
 on GPT-2 124M, batch 12 x 1024, then prints the top CUDA kernels of one step of each
 (torch.profiler), so the two kernel lists can be read side by side.
 
-    python benchmarks/profile_manual.py [--dtype bfloat16]     # on a CUDA GPU
+    python -m benchmarks.profile_manual [--dtype bfloat16]     # on a CUDA GPU, from the repository's root
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hetero_gpt as hg  # noqa: E402
-from tools import fast_standin as standin  # noqa: E402
-from benchmarks.cuda_timing import timeit  # noqa: E402
+import hetero_gpt as hg
+from benchmarks.cuda_timing import timeit
+from tools import fast_standin as standin
 
 p = argparse.ArgumentParser()
 p.add_argument('--dtype', default='bfloat16')

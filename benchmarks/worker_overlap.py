@@ -4,8 +4,8 @@ The GPU engine (autograd, in this process) and the ANE worker (plumbing/worker.p
 derivation on the CPU in its own process), each alone and then both at once, side by side
 in one run; and the cost of one exchange with the worker beyond its own compute.
 
-    python benchmarks/worker_overlap.py                          # GPT-2 124M; CUDA for the GPU engine
-    python benchmarks/worker_overlap.py --n_layer 2 --n_embd 64 --n_head 2 --block_size 64 --gpu_batch 8
+    python -m benchmarks.worker_overlap                          # GPT-2 124M; CUDA for the GPU engine
+    python -m benchmarks.worker_overlap --n_layer 2 --n_embd 64 --n_head 2 --block_size 64 --gpu_batch 8
 
 Prints, per engine, the median seconds per microbatch alone and while the other computes,
 and their ratio (the goal: within 3%); per exchange, the parent's wall time minus the
@@ -21,10 +21,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-import hetero_gpt as hg  # noqa: E402
-from plumbing import settings  # noqa: E402
-from tools import ane_check  # noqa: E402
+import hetero_gpt as hg
+from plumbing import settings
+from tools import ane_check
 
 
 def main():

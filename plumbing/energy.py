@@ -36,16 +36,18 @@ class NvmlMeter:
 
 
 class RaplMeter:
-    """Linux CPUs: RAPL package counters in /sys/class/powercap (microjoules, wrapping)."""
+    """Linux CPUs: RAPL package counters in /sys/class/powercap, microjoules. A counter runs
+    from 0 to max_energy_range_uj, then wraps to 0 (kernel docs, powercap.rst)."""
+    # the packages only: intel-rapl:0:0 is a part of package 0, and intel-rapl-mmio:0 is
+    # package 0 again, read through MMIO
+    PACKAGE = re.compile(r'intel-rapl:\d+$')
 
-    def __init__(self):
-        root = '/sys/class/powercap'
-        self.zones = [os.path.join(root, z) for z in sorted(os.listdir(root))
-                      if z.count(':') == 1 and z.startswith('intel-rapl')]
+    def __init__(self, root='/sys/class/powercap'):
+        self.zones = [os.path.join(root, z) for z in sorted(os.listdir(root)) if self.PACKAGE.match(z)]
         if not self.zones:
             raise OSError("no RAPL zones")
-        self.last = [self._read(z, 'energy_uj') for z in self.zones]  # raises if unreadable
-        self.wrap = [self._read(z, 'max_energy_range_uj') for z in self.zones]
+        self.last = [self._read(z, 'energy_uj') for z in self.zones]  # raises if unreadable (root only)
+        self.wrap = [self._read(z, 'max_energy_range_uj') + 1 for z in self.zones]
         self.total, self.name = 0.0, f"RAPL ({len(self.zones)} CPU packages)"
 
     @staticmethod
@@ -77,17 +79,7 @@ class PowermetricsMeter:
         self.name = "powermetrics (CPU+GPU+ANE)"
         self.parts = dict(CPU=0.0, GPU=0.0, ANE=0.0)  # joules of each so far
         first = threading.Event()
-
-        def reader():
-            dt, seen = 0.0, set()
-            for line in self.proc.stdout:
-                if m := self.HEADER.match(line):
-                    dt, seen = float(m.group(1)) / 1000, set()
-                elif (m := self.POWER.match(line)) and m.group(1) not in seen:
-                    seen.add(m.group(1))
-                    self.parts[m.group(1)] += int(m.group(2)) / 1000 * dt
-                    first.set()
-        threading.Thread(target=reader, daemon=True).start()
+        threading.Thread(target=read_samples, args=(self.proc.stdout, self.parts, first.set), daemon=True).start()
         deadline = time.monotonic() + wait_s
         while not first.wait(0.1):
             if self.proc.poll() is not None:
@@ -115,6 +107,21 @@ class PowermetricsMeter:
         self.err.close()
 
 
+def read_samples(lines, parts, seen_power=lambda: None):
+    """powermetrics' text output, line by line, into parts: joules of CPU, GPU and ANE, each
+    sample's milliwatts times its own elapsed ms. Each part counts once a sample, at its first
+    line: the GPU block repeats GPU Power. seen_power() is called at each power line."""
+    dt, seen = 0.0, set()
+    for line in lines:
+        if m := PowermetricsMeter.HEADER.match(line):
+            dt, seen = float(m.group(1)) / 1000, set()
+        elif (m := PowermetricsMeter.POWER.match(line)) and m.group(1) not in seen:
+            seen.add(m.group(1))
+            parts[m.group(1)] += int(m.group(2)) / 1000 * dt
+            seen_power()
+    return parts
+
+
 class EnergyMeter:
     """The sum of every meter that works here: powermetrics on macOS, NVML for each CUDA
     device in use, RAPL when any engine runs on the CPU."""
@@ -124,8 +131,8 @@ class EnergyMeter:
         kinds = []
         if ON_MAC:
             kinds.append(PowermetricsMeter)
-        for d in sorted({d for d in devices if d.type == 'cuda'}, key=str):
-            kinds.append(lambda i=(d.index or 0): NvmlMeter(i))
+        for i in sorted({d.index or 0 for d in devices if d.type == 'cuda'}):  # cuda and cuda:0: one GPU
+            kinds.append(lambda i=i: NvmlMeter(i))
         if any(d.type == 'cpu' for d in devices) and not ON_MAC:
             kinds.append(RaplMeter)
         for make in kinds:

@@ -179,7 +179,7 @@ def export_programs(cfg, B, T, path, build, pieces):
             model.short_description = f"HeteroEngine GPT-2 {piece}, {B}x{T} tokens"
             model.save(program_path(tmp, piece))
             reports[piece] = program_report(load_coreml_program(program_path(tmp, piece)))
-        check_ane_limits(reports, B)
+            check_ane_limits({piece: reports[piece]}, B)  # before the next piece's conversion
         with open(os.path.join(tmp, META), 'w') as f:
             json.dump(meta(cfg, B, T, pieces), f)
         shutil.rmtree(path, ignore_errors=True)
@@ -365,7 +365,7 @@ def numpy_predict(prog, ane=False):
         frees[i].append(name)
 
     def predict(inputs):
-        env = {}
+        env, made = {}, 0
         for name, var in f.inputs.items():
             a = np.asarray(inputs[name]).astype(types.nptype_from_builtin(var.dtype))
             if a.shape != tuple(var.shape):
@@ -392,6 +392,7 @@ def numpy_predict(prog, ane=False):
                         raise NotImplementedError(f"no NumPy evaluation for MIL op {op.op_type}")
                 for o, r in zip(op.outputs, res):
                     env[o.name] = r = np.asarray(r).astype(types.nptype_from_builtin(o.dtype))
+                    made += r.nbytes
                     if ane and r.dtype == np.float16:  # saturate: +-inf -> +-65504 (np.clip is 10x slower)
                         inf = np.isinf(r)
                         r[inf] = np.copysign(FP16_MAX, r[inf])
@@ -399,7 +400,8 @@ def numpy_predict(prog, ane=False):
                     env.pop(name, None)
         out = {o.name: env[o.name] for o in f.outputs}
         env.clear()
-        gc.collect()  # the MIL ops made above hold their values in reference cycles: free them now
+        if made > 2**26:  # the MIL ops made above hold their values in reference cycles: free
+            gc.collect()  # large ones now (a full collection is slow beside PyTorch's objects)
         return out
     return predict
 

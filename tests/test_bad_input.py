@@ -12,10 +12,7 @@ import torch
 
 import export_ane
 import hetero_gpt as hg
-
-TINY = ['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16', '--batch_size', '2',
-        '--gradient_accumulation_steps', '2', '--warmup_iters', '2', '--eval_iters', '1', '--sample_tokens', '0',
-        '--quiet', '--device', 'cpu', '--log_interval', '5', '--eval_interval', '5']
+import helpers
 
 
 def files(folder):
@@ -29,9 +26,9 @@ def files(folder):
 
 
 def main(data_dir, out_dir, *flags):
-    """hg.main on the tiny configuration: its exit code (0 when it returns)."""
+    """hg.main on helpers.TINY and flags: its exit code (0 when it returns)."""
     try:
-        hg.main(['--dataset', 'tiny', '--data_dir', str(data_dir), '--out_dir', str(out_dir)] + TINY + list(flags))
+        hg.main(helpers.flags(data_dir, out_dir) + list(flags))
     except SystemExit as e:
         return e.code
     return 0
@@ -54,11 +51,13 @@ BAD_FLAGS = [('--learning_rate', '-1'), ('--min_lr', '-0.5'), ('--beta1', '1'), 
 
 def test_bad_settings_are_refused_before_anything_is_written(data_dir, tmp_path, capsys):
     # every setting PyTorch (or the loop) would reject late: one line naming the flag and
-    # its value, before the out_dir is made
+    # its value (as parsed: -1 for a float is -1.0), before the out_dir is made
     for flag, value in BAD_FLAGS:
         assert main(data_dir, tmp_path / 'o', flag, value) == 2, flag
         line = error(capsys)
-        assert flag in line and value.lstrip('-') in line, line
+        shown = getattr(hg.parse_args([flag, value])[0], flag[2:])
+        assert f"{flag} {shown}:" in line or f"{flag} {shown!r}" in line or (
+            flag in line and line.endswith(f"got {shown!r}")), line
     if not torch.cuda.is_available():
         assert main(data_dir, tmp_path / 'o', '--mode', 'hetero', '--ane_device', 'cuda') == 2
         assert '--ane_device cuda' in error(capsys)
@@ -94,6 +93,32 @@ def test_settings_that_do_not_apply_are_named_once(capsys):
         hg.setup(*hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_batch_size', '3']))
     with pytest.raises(hg.UserError, match='--ane_evaluator'):
         hg.setup(*hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_evaluator', 'coreml']))
+
+
+def test_devices_that_are_not_here(monkeypatch):
+    # a GPU index past those PyTorch sees, MPS off a Mac: one line each, before anything is made
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    with pytest.raises(hg.UserError, match=r"--device cuda:1: PyTorch sees 1 CUDA GPU\(s\) here"):
+        hg.settings.resolve_device('cuda:1')
+    monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: False)
+    with pytest.raises(hg.UserError, match='--ane_device mps: MPS is not available here'):
+        hg.settings.resolve_device('mps', '--ane_device')
+
+
+def test_a_mac_takes_its_own_defaults_for_flags_not_given(monkeypatch):
+    # on a Mac (its GPU: MPS) the microbatches that fit a 16 GB Mac, MAC_DEFAULTS, replace the
+    # settings not given; a flag given wins. (The Mac's own checks, done elsewhere, pass here.)
+    s = hg.settings
+    monkeypatch.setattr(s, 'ON_MAC', True)
+    monkeypatch.setattr(s, 'resolve_device', lambda name, flag='--device': torch.device('mps'))
+    for check in ('check_mps', 'check_coreml', 'check_ane_alignment'):
+        monkeypatch.setattr(s, check, lambda *a, **k: None)
+    for flags, want in (([], hg.MAC_DEFAULTS), (['--batch_size', '4'], dict(hg.MAC_DEFAULTS, batch_size=4))):
+        said = []
+        cfg, given = hg.parse_args(flags)
+        assert s.check(cfg, given, hg.CPU_DEFAULTS, hg.MAC_DEFAULTS, log=said.append) == (torch.device('mps'), torch.float32)
+        assert {k: getattr(cfg, k) for k in want} == want and cfg.mode == 'hetero' and cfg.n_layer == 12
+        assert said[0].startswith('on a Mac: microbatches that fit a 16 GB one') and 'batch_size=4' not in said[0]
 
 
 def test_help_says_what_replaces_the_defaults_without_a_gpu(capsys):
@@ -139,14 +164,6 @@ def test_export_refuses_bad_shapes_and_paths_it_did_not_make(tmp_path, capsys):
         assert words in err and 'Traceback' not in err, err
     assert files(tmp_path) == before  # no package, no temporary one
 
-
-
-@pytest.fixture(scope='module')
-def finished_run(data_dir, tmp_path_factory):
-    """An out_dir that holds a finished 10-step run (checkpoints at steps 5 and 10)."""
-    out = tmp_path_factory.mktemp('finished') / 'run'
-    assert main(data_dir, out, '--max_iters', '10') == 0
-    return out
 
 
 @pytest.fixture

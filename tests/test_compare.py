@@ -1,6 +1,8 @@
 """compare.py: its statistics against known values, and the whole comparison end to end on
 a tiny CPU configuration (a data set the test writes)."""
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -8,6 +10,8 @@ import os
 import numpy as np
 import pytest
 
+import helpers
+from conftest import CtrlC
 from tools import compare
 
 # ---- the Student-t distribution
@@ -97,39 +101,91 @@ def test_paired_ttest():
 
 # ---- end to end
 
+# 2 microbatches of 4 sequences, 6 steps, validation at 3 and 6; the fp16 stand-in, half of
+# hetero's microbatches (fp32 would give GPU-only's perplexities to the bit here, as Adam's first
+# steps are nearly g / |g|: the statistics would see no spread); compare sets --eval_iters itself
+COMPARE = helpers.TINY | dict(batch_size=4, max_iters=6, eval_interval=3, ane_dtype='float16', ane_fraction=0.5,
+                              eval_iters=None)
+
 
 def tiny(data_dir, out_dir, *extra):
-    return ['--seeds', '2', '--out_dir', str(out_dir), '--dataset', 'tiny', '--data_dir', data_dir,
-            '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16', '--batch_size', '4',
-            '--gradient_accumulation_steps', '2', '--max_iters', '6', '--eval_interval', '3',
-            '--warmup_iters', '2', '--device', 'cpu', '--ane_dtype', 'float32', '--ane_fraction', '0.5'] + list(extra)
+    return ['--seeds', '2', '--out_dir', str(out_dir)] + helpers.flags(data_dir, None, COMPARE) + list(extra)
 
 
-def test_compare_end_to_end_and_reuse(data_dir, tmp_path, capsys):
-    out = tmp_path / 'cmp'
-    summary = compare.main(tiny(data_dir, out))
-    printed = capsys.readouterr().out
+@pytest.fixture(scope='module')
+def comparison(data_dir, tmp_path_factory):
+    """A comparison stopped by Ctrl-C at step 4 of its first run (a checkpoint is saved at
+    step 3), then the same command again: (out_dir, what each call printed, the summary)."""
+    out, said = tmp_path_factory.mktemp('compare') / 'cmp', []
+    with pytest.MonkeyPatch.context() as m:
+        ctrl_c = CtrlC(m)
+        ctrl_c.at(4)
+        with contextlib.redirect_stdout(io.StringIO()) as o, contextlib.redirect_stderr(io.StringIO()) as e:
+            with pytest.raises(SystemExit) as stop:
+                compare.main(tiny(data_dir, out))
+        said.append((stop.value.code, o.getvalue(), e.getvalue()))
+        ctrl_c.off()
+        with contextlib.redirect_stdout(io.StringIO()) as o:
+            summary = compare.main(tiny(data_dir, out))
+        said.append((0, o.getvalue(), ''))
+    return out, said, summary
+
+
+def cauchy_cdf(t):  # Student's t with 1 degree of freedom (2 seeds)
+    return 0.5 + math.atan(t) / math.pi
+
+
+def test_compare_end_to_end(comparison):
+    out, said, summary = comparison
+    printed = said[1][1]
     saved = json.loads((out / 'summary.json').read_text())
     assert set(saved['modes']) == {'gpu', 'ane', 'hetero'}
+    ppl = {}
     for m, s in saved['modes'].items():
-        assert len(s['final_val_ppl']) == 2 and all(math.isfinite(p) and p > 1 for p in s['final_val_ppl'])
-        assert s['ci'][0] <= s['mean'] <= s['ci'][1] and s['tokens_per_s'] > 0
-        rows = compare.read_metrics(out / f'{m}_s1' / 'metrics.jsonl')
-        assert [r['step'] for r in rows if 'val_ppl' in r] == [3, 6]
-    for test in ('tost_hetero_vs_gpu', 'ttest_ane_vs_gpu'):
-        assert 0.0 <= saved[test]['p'] <= 1.0
-    assert 0.0 <= saved['tost_hetero_vs_gpu']['p_lower'] <= 1.0
+        rows = {seed: compare.read_metrics(out / f'{m}_s{seed}' / 'metrics.jsonl') for seed in (1, 2)}
+        assert all([r['step'] for r in rows[seed] if 'val_ppl' in r] == [3, 6] for seed in (1, 2))
+        ppl[m] = np.array([rows[seed][-1]['val_ppl'] for seed in (1, 2)])  # the runs' own last rows
+        assert s['final_val_ppl'] == ppl[m].tolist() and all(math.isfinite(p) and p > 1 for p in ppl[m])
+        # mean, sd, and the 95% CI mean +- t_(0.975, 1) sd / sqrt(2), t_(0.975, 1) = tan(0.475 pi)
+        mean, sd = ppl[m].mean(), ppl[m].std(ddof=1)
+        h = math.tan(0.475 * math.pi) * sd / math.sqrt(2)
+        assert (s['n'], s['mean'], s['sd']) == (2, pytest.approx(mean, rel=1e-12), pytest.approx(sd, rel=1e-9))
+        assert s['ci'] == pytest.approx([mean - h, mean + h], rel=1e-9) and s['tokens_per_s'] > 0
+    # the tests on the paired ratios, by hand: d = ln(test / ref), se = sd(d) / sqrt(2), df 1
+    d = np.log(ppl['hetero'] / ppl['gpu'])
+    se = d.std(ddof=1) / math.sqrt(2)
+    tost = saved['tost_hetero_vs_gpu']
+    assert tost['p_lower'] == pytest.approx(1 - cauchy_cdf((d.mean() - math.log(0.99)) / se), rel=1e-6, abs=1e-12)
+    assert tost['p_upper'] == pytest.approx(cauchy_cdf((d.mean() - math.log(1.01)) / se), rel=1e-6, abs=1e-12)
+    assert tost['p'] == max(tost['p_lower'], tost['p_upper'])
+    d = np.log(ppl['ane'] / ppl['gpu'])
+    t = d.mean() / (d.std(ddof=1) / math.sqrt(2))
+    assert saved['ttest_ane_vs_gpu']['p'] == pytest.approx(2 * cauchy_cdf(-abs(t)), rel=1e-6)
     assert 'paired TOST' in printed and 'paired t-test' in printed
-    # hetero with an fp32 stand-in for the ANE is GPU-only up to rounding: equivalent
+    # hetero with the fp16 stand-in is GPU-only up to fp16 rounding (1e-5 of the perplexity): equivalent
     assert saved['tost_hetero_vs_gpu']['equivalent']
-    assert summary['modes']['gpu']['final_val_ppl'] == saved['modes']['gpu']['final_val_ppl']
     try:
         import matplotlib  # noqa: F401
         assert saved['plot'] and (out / 'compare.png').stat().st_size > 0
     except ImportError:
         assert saved['plot'] is None and 'pip install matplotlib' in printed
 
-    # the same command again retrains nothing
+
+def test_interrupted_comparison_resumes(data_dir, comparison, tmp_path):
+    # Ctrl-C at step 4 of the first run: compare stopped and said to run it again, which
+    # continued that run with --resume, to the perplexity of the run straight through (bit
+    # for bit on the CPU)
+    out, said, summary = comparison
+    assert said[0][0] == 2 and 'run the same command again' in said[0][2] and 'resumed from' in said[1][1]
+    assert said[1][1].count('finished run found, reused') == 0
+    straight = compare.run_one(helpers.flags(data_dir, None, COMPARE), 'gpu', 1, str(tmp_path), drop_checkpoint=True)
+    assert straight[-1]['val_ppl'] == summary['modes']['gpu']['final_val_ppl'][0]
+    # --drop_checkpoints: a finished run keeps its metrics, not its checkpoint
+    assert (tmp_path / 'gpu_s1' / 'metrics.jsonl').exists() and not (tmp_path / 'gpu_s1' / 'ckpt.pt').exists()
+
+
+def test_the_same_command_again_retrains_nothing(data_dir, comparison, capsys):
+    out, said, summary = comparison
     stamp = os.path.getmtime(out / 'gpu_s1' / 'metrics.jsonl')
     again = compare.main(tiny(data_dir, out))
     assert capsys.readouterr().out.count('finished run found, reused') == 6
@@ -140,27 +196,11 @@ def test_compare_end_to_end_and_reuse(data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         compare.main(tiny(data_dir, out, '--learning_rate', '1e-2'))
     assert e.value.code == 2 and 'other settings' in capsys.readouterr().err
-
-
-def test_interrupted_comparison_resumes(data_dir, tmp_path, capsys, ctrl_c):
-    # Ctrl-C at step 4 of the first run (a checkpoint is saved at step 3): compare stops,
-    # and the same command continues that run with --resume, giving the same perplexity as
-    # the run straight through (bit for bit on the CPU)
-    straight = compare.main(tiny(data_dir, tmp_path / 'a'))
-    ctrl_c.at(4)
-    with pytest.raises(SystemExit) as e:
-        compare.main(tiny(data_dir, tmp_path / 'b'))
-    assert e.value.code == 2 and 'run the same command again' in capsys.readouterr().err
-    ctrl_c.off()
-    resumed = compare.main(tiny(data_dir, tmp_path / 'b', '--drop_checkpoints'))
-    assert 'resumed from' in capsys.readouterr().out
-    # --drop_checkpoints: finished runs keep their metrics, not their checkpoints
-    assert not list((tmp_path / 'b').glob('*/ckpt.pt')) and len(list((tmp_path / 'a').glob('*/ckpt.pt'))) == 6
-    compare.main(tiny(data_dir, tmp_path / 'a', '--drop_checkpoints'))  # reused runs drop theirs too
+    # --drop_checkpoints on finished runs that are reused: they drop theirs too
+    assert len(list(out.glob('*/ckpt.pt'))) == 6
+    compare.main(tiny(data_dir, out, '--drop_checkpoints'))
     assert capsys.readouterr().out.count('finished run found, reused') == 6
-    assert not list((tmp_path / 'a').glob('*/ckpt.pt'))
-    for m in ('gpu', 'ane', 'hetero'):
-        assert resumed['modes'][m]['final_val_ppl'] == pytest.approx(straight['modes'][m]['final_val_ppl'], rel=1e-9)
+    assert not list(out.glob('*/ckpt.pt'))
 
 
 def test_bad_arguments(data_dir, tmp_path, capsys):

@@ -10,7 +10,8 @@ import torch
 
 import export_ane
 import hetero_gpt as hg
-from plumbing import programs
+import helpers
+from plumbing import programs as coreml_programs
 from tools import ane_check
 
 pytest.importorskip('coremltools')  # (the machines that lend a GPU may not have it)
@@ -21,35 +22,39 @@ B, T = 3, 7
 
 
 @pytest.fixture(scope='module')
-def package(tmp_path_factory):
-    """The three programs, and the whole step as one: {'pieces': folder, 'step': folder}."""
-    root = tmp_path_factory.mktemp('ane')
-    out = {'pieces': str(root / 'tiny'), 'step': str(root / 'tiny_step')}
-    reports = {k: export_ane.export_programs(CFG, B, T, p, whole_step=k == 'step') for k, p in out.items()}
-    return out | {'reports': reports}
+def package(exported):
+    """The three programs: {'pieces': folder, 'reports': {'pieces': their reports}}."""
+    return {'pieces': exported(CFG, B, T), 'reports': {'pieces': exported.reports[exported(CFG, B, T)]}}
+
+
+@pytest.fixture(scope='module')
+def whole_step(exported):
+    """The whole step as one program (export_ane.py --whole_step, to compare): (folder, reports)."""
+    path = exported(CFG, B, T, whole_step=True)
+    return path, exported.reports[path]
 
 
 def reference(seed=0, b=B):
+    """A GPT (fp64), a batch of b sequences, and fp64 autograd's loss; model.grads: its gradients."""
     torch.manual_seed(seed)
     model = hg.GPT(CFG).double()
     idx, targets = (torch.randint(0, CFG.vocab_size, (b, T)) for _ in range(2))
-    _, loss = model(idx, targets)
-    loss.backward()
-    return model, idx, targets, loss.item()
+    loss, model.grads = helpers.autograd_fp64(model, idx, targets)
+    return model, idx, targets, loss
 
 
 def cosines(grads, model):
-    return {k: torch.nn.functional.cosine_similarity(grads[k].double().flatten(), p.grad.flatten(), dim=0).item()
-            for k, p in model.named_parameters()}
+    return helpers.cosines(grads, model.grads)
 
 
-@pytest.mark.parametrize('kind', ['pieces', 'step'])
-def test_saved_programs_match_autograd(package, kind):
+@pytest.mark.parametrize('kind', ['pieces', pytest.param('step', marks=pytest.mark.slow)])
+def test_saved_programs_match_autograd(request, kind):
     # fp16 programs (unit roundoff 4.9e-4): the loss, a mean of log-sum-exps of ~10, within
     # 1e-2 relative; gradients compared by direction (cosine >= 0.999), all finite.
     # The engine's microbatch is 3 sequences; it takes 6 as two calls, the mean of the two.
     model, idx, targets, ref_loss = reference(b=2 * B)
-    engine = export_ane.open_programs(package[kind], scaler=hg.LossScaler(1024.0, 0))
+    path = request.getfixturevalue('package')['pieces'] if kind == 'pieces' else request.getfixturevalue('whole_step')[0]
+    engine = export_ane.open_programs(path, scaler=hg.LossScaler(1024.0, 0))
     assert engine.pieces == ((kind,) if kind == 'step' else hg.ANE_PIECES)
     engine.load_weights(dict(model.named_parameters()))
     loss, grads = engine.loss_and_grads(idx, targets)
@@ -72,20 +77,53 @@ def test_programs_are_ane_shaped(package):
         assert r['bytes_in'] == 2 * sum(int(np.prod(s)) for s in shapes.values())
         # live memory: at least the inputs and outputs, at most every tensor of the program at once
         assert r['bytes_in'] <= r['live_bytes'] and r['bytes_out'] <= r['live_bytes']
-    head = programs.load_coreml_program(programs.program_path(package['pieces'], 'head')).functions['main']
+        # and, counted here op by op: at least what any one op reads and writes (all live at
+        # once), less than every tensor of the program (each freed after its last reader)
+        f = coreml_programs.load_coreml_program(coreml_programs.program_path(package['pieces'], piece)).functions['main']
+        size = lambda v: 2 * int(np.prod(v.shape))
+        touched = [{v.name: size(v) for v in op.outputs} | {u.name: size(u) for v in op.inputs.values()
+                                                             for u in (v if isinstance(v, (list, tuple)) else [v])}
+                   for op in f.operations]
+        every = sum(size(v) for v in f.inputs.values()) + sum(size(v) for op in f.operations for v in op.outputs)
+        assert max(sum(t.values()) for t in touched) <= r['live_bytes'] < every, piece
+    head = coreml_programs.load_coreml_program(coreml_programs.program_path(package['pieces'], 'head')).functions['main']
     peaks = [v.name for v in head.outputs if v.name.startswith('peak_')]
     outs = sum(int(np.prod(s)) for k, s in hg.piece_input_shapes(CFG, B, T, 'head').items() if k != 'loss_scale') + 1
     assert reports['head']['bytes_out'] == 2 * (outs + len(peaks))  # a gradient per input but loss_scale; the loss; a value per peak
     for piece, r in reports.items():  # the peaks: abs and reduce_max of each hidden matmul result, no chain of maximum
         assert r['op_types'].get('maximum', 0) <= 2, piece  # (layernorm's floor on its row scale: one each)
-    # every matmul of the derivation and nothing else: the whole step is the analytic count,
-    # the pieces that plus one forward of each block (its backward recomputes it) but for the
-    # MLP's projection (2 N 4C C), whose output the backward does not need (dead, removed)
+    # every matmul of the derivation and nothing else: the analytic count, plus one forward of
+    # each block (its backward recomputes it) but for the MLP's projection (2 N 4C C), whose
+    # output the backward does not need (dead, removed). (The whole step as one program: the
+    # analytic count alone, test_the_whole_step_is_the_analytic_count.)
     st = ane_check.step_report(reports, CFG, B, T)
-    whole = ane_check.step_report(package['reports']['step'], CFG, B, T)
-    assert whole['matmul_flops'] == whole['analytic_matmul_flops']
     N, C = B * T, CFG.n_embd
-    assert st['matmul_flops'] == whole['matmul_flops'] + CFG.n_layer * (reports['block_forward']['matmul_flops'] - 8 * N * C * C)
+    assert st['matmul_flops'] == st['analytic_matmul_flops'] + CFG.n_layer * (
+        reports['block_forward']['matmul_flops'] - 8 * N * C * C)
+
+
+@pytest.mark.slow
+def test_the_whole_step_is_the_analytic_count(whole_step):
+    whole = ane_check.step_report(whole_step[1], CFG, B, T)
+    assert whole['matmul_flops'] == whole['analytic_matmul_flops'] and whole['calls'] == {'step': 1}
+    assert whole_step[1]['step']['off_ane'] == []
+
+
+def test_the_export_report(package, capsys):
+    # what `python export_ane.py` prints after saving: a row per program (its calls per ANE
+    # call, ops, GFLOP, MiB in, out, live, largest dimension, ops off the ANE), then the call's
+    # totals against the analytic count
+    reports = package['reports']['pieces']
+    export_ane.print_report(reports, CFG, B, T)
+    lines = capsys.readouterr().out.splitlines()
+    st = ane_check.step_report(reports, CFG, B, T)
+    rows = {line.split()[0]: line.split() for line in lines[1:4]}
+    for piece, r in reports.items():
+        assert rows[piece][1:3] == [str(st['calls'][piece]), str(r['ops'])] and rows[piece][-1] == 'none'
+        assert rows[piece][-2] == str(r['largest_dim']) and float(rows[piece][3]) == round(r['flops'] / 1e9, 2)
+    assert st['calls'] == {'block_forward': 2, 'head': 1, 'block_backward': 2}
+    assert f"ratio {st['matmul_flops'] / st['analytic_matmul_flops']:.3f} (the block backward recomputes" in lines[5]
+    assert lines[6].startswith(f"largest live memory {st['live_bytes'] / 2**20:.0f} MiB")
 
 
 def test_flops_for_gpt2_124m_analytic_within_2_percent():
@@ -94,18 +132,35 @@ def test_flops_for_gpt2_124m_analytic_within_2_percent():
     assert abs(exact / estimate - 1) < 0.02
 
 
+@pytest.mark.parametrize('V', [128, 200])
+def test_analytic_flops_are_autograds(V):
+    # autograd's own matmuls, counted by PyTorch (FlopCounterMode, attention on its math path,
+    # which keeps the whole T x T as the count does): the analytic count exactly; the programs'
+    # LM head multiplies whole 64-row-aligned chunks, so a vocabulary of 200 costs 256 rows
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg, b, t = hg.GPTConfig(block_size=16, vocab_size=V, n_layer=2, n_head=2, n_embd=32), 3, 16
+    model = hg.GPT(cfg)
+    idx, targets = (torch.randint(0, V, (b, t)) for _ in range(2))
+    with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as count:
+        model(idx, targets)[1].backward()
+    padding = hg.vocab_chunks(V)[0] * len(hg.vocab_chunks(V)[1]) - V
+    assert ane_check.analytic_flops(cfg, b, t)[0] == count.get_total_flops() + 6 * b * t * padding * cfg.n_embd
+
+
 def test_live_memory_estimate_by_hand():
     # y = (x * x) + x on a (4, 8) fp16 input (64 B a tensor): x and x*x live until the add,
     # whose result makes 3 x 64 B live; after it only the sum (then its identity, the output)
     prog = hg.mil_program(lambda _, x: {'y': x * x + x}, {'x': (4, 8)})
-    assert programs.live_bytes(prog.functions['main']) == 3 * 64
+    assert coreml_programs.live_bytes(prog.functions['main']) == 3 * 64
 
 
 def test_programs_past_the_ane_memory_are_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(programs, 'ANE_MEMORY', 2**20)  # 1 MiB: the tiny head's logits need more
+    monkeypatch.setattr(coreml_programs, 'ANE_MEMORY', 2**20)  # 1 MiB: the tiny head's logits need more
     rc = export_ane.main(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '64',
                           '--vocab_size', '500', '--ane_batch_size', '8', '--out', str(tmp_path / 'big')])
-    assert rc == 2 and 'past the ANE' in capsys.readouterr().err and not os.path.exists(tmp_path / 'big')
+    err = capsys.readouterr().err
+    assert rc == 2 and 'program head needs' in err and 'past the ANE' in err and not os.path.exists(tmp_path / 'big')
 
 
 def test_programs_for_other_shapes_are_refused(package):
@@ -134,8 +189,8 @@ def test_not_a_folder_of_programs(tmp_path, package):
     shutil.rmtree(half / 'head.mlpackage')
     with pytest.raises(hg.UserError, match='lacks head'):
         export_ane.open_programs(str(half))
-    meta = json.loads((half / programs.META).read_text())
-    (half / programs.META).write_text(json.dumps(meta | {'format': 1}))
+    meta = json.loads((half / coreml_programs.META).read_text())
+    (half / coreml_programs.META).write_text(json.dumps(meta | {'format': 1}))
     with pytest.raises(hg.UserError, match='another version'):
         export_ane.open_programs(str(half))
     with pytest.raises(hg.UserError, match='refusing to overwrite'):  # export never writes over what it did not make
@@ -147,7 +202,7 @@ def test_custom_predict_and_input_lifetime(package):
     # by name, in fp32 (which coremltools wraps without converting), in the engine's persistent
     # buffers (Core ML frees its inputs late: these are never freed under it), 2L + 1 calls
     seen = []
-    evaluate = programs.numpy_programs(package['pieces'], hg.ANE_PIECES)
+    evaluate = coreml_programs.numpy_programs(package['pieces'], hg.ANE_PIECES)
 
     def predict(piece, inputs):
         seen.append((piece, inputs))
@@ -170,9 +225,10 @@ def test_export_cli_refuses_too_many_tokens(tmp_path, capsys):
     assert rc == 2 and 'at most 16384' in capsys.readouterr().err
 
 
-def test_trainer_exports_once_and_reuses(tmp_path):
+def test_trainer_exports_once_and_reuses(tmp_path, monkeypatch):
     # what --mode ane/hetero does on macOS: export for the run's shapes, reuse them next time,
-    # export again when the shapes change
+    # export again when the shapes change (that export, as the first, by export_programs: here
+    # only its call is seen)
     said = []
     cfg, _ = hg.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '8',
                             '--vocab_size', '100', '--batch_size', '6', '--out_dir', str(tmp_path),
@@ -184,32 +240,44 @@ def test_trainer_exports_once_and_reuses(tmp_path):
     stamp = spec.stat().st_mtime_ns
     assert ensure_programs(cfg, log=said.append) == path and len(said) == 1
     assert spec.stat().st_mtime_ns == stamp
+    assert export_ane.open_programs(path).cfg.n_layer == 1
+    exports = []
+    monkeypatch.setattr(coreml_programs, 'export_programs', lambda *a: exports.append(a))
     cfg.n_layer = 2  # same folder name, other model: exported again
-    ensure_programs(cfg, log=said.append)
-    assert 'other shapes' in said[1] and export_ane.open_programs(path).cfg.n_layer == 2
-    cfg.ane_programs = path  # a folder the user names is never overwritten
-    cfg.n_layer = 1
+    assert ensure_programs(cfg, log=said.append) == path
+    assert 'other shapes' in said[1] and [(a[0].n_layer, a[1:4]) for a in exports] == [(2, (3, 8, path))]
+    cfg.ane_programs = path  # a folder the user names is never overwritten: its programs are n_layer 1's
     with pytest.raises(hg.UserError, match='other shapes'):
         ensure_programs(cfg, log=said.append)
+    assert len(exports) == 1
 
 
-def test_programs_without_biases(tmp_path):
+@pytest.mark.slow
+def test_a_folder_of_the_whole_step_is_taken_if_named(whole_step):
+    # --ane_programs naming a folder of the whole step as one program (export_ane.py --whole_step)
+    # for the run's shapes: taken as it is, not exported again; one the run did not name is
+    # the trainer's own, made again as its three programs
+    build = lambda *a: pytest.fail('not exported again')
+    assert coreml_programs.ensure(whole_step[0], CFG, B, T, build, hg.ANE_PIECES, named=True) == whole_step[0]
+    with pytest.raises(hg.UserError, match='other shapes'):
+        coreml_programs.ensure(whole_step[0], CFG, B + 1, T, build, hg.ANE_PIECES, named=True)
+
+
+def test_programs_without_biases(exported):
     # nanoGPT's bias=False: the programs have no bias inputs or outputs, and their fp16
     # gradients point where fp64 autograd's do (cosine >= 0.999, as above)
     cfg = hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16, bias=False)
-    path = str(tmp_path / 'nobias')
-    export_ane.export_programs(cfg, 2, 5, path)
+    path = exported(cfg, 2, 5)
     names = {k for p in hg.ANE_PIECES for k in hg.piece_input_shapes(cfg, 2, 5, p)}
     assert not any(k.endswith('_b') or k in ('bq', 'bk', 'bv', 'bo', 'bfc', 'bpr') for k in names)
     assert {'wq', 'lnf_w', 'ln1_w'} <= names
     torch.manual_seed(0)
     model = hg.GPT(cfg).double()
     idx, targets = (torch.randint(0, cfg.vocab_size, (2, 5)) for _ in range(2))
-    _, loss = model(idx, targets)
-    loss.backward()
+    loss, ref = helpers.autograd_fp64(model, idx, targets)
     engine = export_ane.open_programs(path, scaler=hg.LossScaler(1024.0, 0))
     engine.load_weights(dict(model.named_parameters()))
     l, grads = engine.loss_and_grads(idx, targets)
-    assert abs(l.item() - loss.item()) / loss.item() < 1e-2
+    assert abs(l.item() - loss) / loss < 1e-2
     assert set(grads) == {k for k, _ in model.named_parameters()}
-    assert min(cosines(grads, model).values()) >= 0.999
+    assert min(helpers.cosines(grads, ref).values()) >= 0.999

