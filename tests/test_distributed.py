@@ -94,7 +94,7 @@ def test_two_ranks_match_one_process_and_resume_across_numbers_of_ranks(data_dir
     (out, _, _), (out1, _, _) = two_ranks(data_dir, tmp_path / 'b', '--max_iters', '4')  # b: 2 ranks, then 1
     assert_close(weights(tmp_path / 'b'), weights(tmp_path / 'a'))
     # only rank 0 writes: its files, each row once; and its rows hold every rank's split and speeds
-    assert sorted(os.listdir(tmp_path / 'b')) == ['ckpt.pt', 'metrics.jsonl']
+    assert sorted(os.listdir(tmp_path / 'b')) == ['best.pt', 'ckpt.pt', 'metrics.jsonl']
     rows = [json.loads(l) for l in open(tmp_path / 'b' / 'metrics.jsonl')]
     assert [r['step'] for r in rows] == [2, 4] and out.count('parameters |') == 1 and out1 == ''
     for r in rows:

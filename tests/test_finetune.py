@@ -95,8 +95,8 @@ FT = ['--dataset', 'tiny', '--block_size', '32', '--batch_size', '4', '--gradien
 
 
 @pytest.mark.parametrize('mode, extra', [('gpu', []), ('ane', []), ('hetero', ['--ane_fraction', '0.5']),
-                                         ('hetero', ['--ane_fraction', '0.5', '--ane_evaluator', 'numpy',
-                                                     '--ane_worker', 'true'])])
+                                         pytest.param('hetero', ['--ane_fraction', '0.5', '--ane_evaluator', 'numpy',
+                                                                 '--ane_worker', 'true'], marks=pytest.mark.slow)])
 def test_fine_tuning_lowers_the_loss_in_every_mode(hf_folder, data_dir, tmp_path, mode, extra):
     out = tmp_path / 'out'
     model = hg.main(FT + ['--data_dir', data_dir, '--out_dir', str(out), '--init_from', hf_folder[0],
@@ -122,21 +122,25 @@ def test_fine_tuning_lowers_the_loss_in_every_mode(hf_folder, data_dir, tmp_path
         assert {'gpu_loss', 'ane_loss'} <= rows[0].keys()
 
 
-def test_sample_py_reads_our_checkpoint_and_hugging_faces_folder(hf_folder, data_dir, tmp_path):
+def test_sample_py_reads_our_checkpoint_and_hugging_faces_folder(hf_folder, data_dir, tmp_path, capsys):
+    import sample
     out = tmp_path / 'out'
     hg.main(FT + ['--data_dir', data_dir, '--out_dir', str(out), '--init_from', hf_folder[0], '--mode', 'gpu'])
+    capsys.readouterr()
     for source, said in ((['--out_dir', str(out)], f"sampling from {out / 'best.pt'} (step 8)"),
                          (['--init_from', hf_folder[0]], f'sampling from {hf_folder[0]}')):
-        r = subprocess.run([sys.executable, 'sample.py', *source, '--start', 'The king', '--num_samples', '2',
-                            '--max_new_tokens', '5'], capture_output=True, text=True)
-        assert r.returncode == 0 and said in r.stderr, r.stderr
-        texts = r.stdout.split('---------------\n')
-        assert len(texts) == 3 and all(t.startswith('The king') for t in texts[:2]), r.stdout
+        sample.main([*source, '--start', 'The king', '--num_samples', '2', '--max_new_tokens', '5'])
+        r = capsys.readouterr()
+        assert said in r.err, r.err
+        texts = r.out.split('---------------\n')
+        assert len(texts) == 3 and all(t.startswith('The king') for t in texts[:2]), r.out
     # best.pt damaged (in place, so ckpt.pt, its other name, too): ckpt.prev.pt is not read by
     # sample.py, so it says what it tried, in one line
     (out / 'best.pt').write_bytes(b'junk')
-    r = subprocess.run([sys.executable, 'sample.py', '--out_dir', str(out)], capture_output=True, text=True)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and 'best.pt: not a readable' in r.stderr
+    with pytest.raises(SystemExit) as e:
+        sample.main(['--out_dir', str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and 'best.pt: not a readable' in err
 
 
 @pytest.mark.parametrize('flags, message', [
@@ -211,6 +215,7 @@ def hub(code, cache, tmp_path):
     return subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env, capture_output=True, text=True)
 
 
+@pytest.mark.slow  # two processes: huggingface_hub reads its cache's place at import
 def test_a_hub_name_reads_huggingface_hubs_cache_and_offline_is_one_line(hf_folder, tmp_path):
     # huggingface_hub's own cache layout, as a download leaves it: refs/main names a snapshot
     snap = tmp_path / 'cache' / 'models--openai-community--gpt2' / 'snapshots' / ('0' * 40)

@@ -420,6 +420,7 @@ def test_core_ml_errors_in_one_line():
     assert settings.one_line(nested) == 'RuntimeError: The "head" failed.'
 
 
+@pytest.mark.slow  # a second trainer through Core ML: test_training_on_both_engines_through_core_ml is the fast one
 def test_fine_tuning_gpt2_through_core_ml_then_sampling(shakespeare, tmp_path):
     # a tiny GPT-2 written by Hugging Face's code, aligned as the ANE needs; the Mac's default
     # run fine-tunes it on both engines, its programs exported and compiled for that size

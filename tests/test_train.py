@@ -86,7 +86,9 @@ def test_timed_evaluations(data_dir, tmp_path, ctrl_c, monkeypatch):
     # The trainer's clock is the test's: each step takes 0.25 s, so steps 4 and 8 evaluate
     # (and only steps 5 and 10 are due by --eval_interval); a run stopped at step 6 and
     # resumed evaluates at step 8 once more, as the run straight through does
-    monkeypatch.setattr(hg, 'time', Clock(tick=0.25))  # 2 readings a step: 0.25 s each
+    clock, real_step = Clock(), hg.HeteroStep.__call__
+    monkeypatch.setattr(hg, 'time', clock)  # moved only here: 0.25 s a step, however often it is read
+    monkeypatch.setattr(hg.HeteroStep, '__call__', lambda self, mbs: (clock.advance(0.25), real_step(self, mbs))[1])
     timed = dict(eval_seconds=1, max_iters=10, log_interval=100)
     _, straight = helpers.train(data_dir, tmp_path / 'a', **timed)
     assert [(r['step'], r.get('eval_at_seconds')) for r in straight] == [(4, 1.0), (5, None), (8, 2.0), (10, None)]
@@ -134,9 +136,12 @@ def test_fp16_autograd_engine_scales_its_loss():
         for k, g in grads.items():
             assert torch.nn.functional.cosine_similarity(g.flatten(), ref[k].flatten(), dim=0) >= 0.999, (scale, k)
     eng.scaler.scale = 2.0 ** 40
-    step = hg.HeteroStep(model, {'gpu': eng}, hg.Split(1, '0'), log=lambda s: None)
-    out = step([(idx, targets)])
+    before = {k: p.clone() for k, p in model.state_dict().items()}
+    step = hg.HeteroStep(model, {'gpu': eng}, hg.Split(1, '0'), log=lambda s: None,
+                         optimizer=torch.optim.AdamW(model.parameters()))
+    out = step.update(step([(idx, targets)]))  # (the lone engine's flag is read once AdamW is queued)
     assert out['n'] == 0 and step.skipped == 1 and eng.scaler.scale == 2.0 ** 39
+    assert all(torch.equal(p, before[k]) for k, p in model.state_dict().items())  # no update
     assert not hg.AutogradEngine(model, cpu, torch.bfloat16, scaler=hg.LossScaler(1024.0, 100)).scaler.enabled
 
 
