@@ -45,7 +45,7 @@ from plumbing import pretrained  # defines: configure, state_dict (OpenAI's GPT-
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, numpy_programs, the ANE's limits
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
-from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # the ANE's largest dimension; fp16 overflow
+from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW, MILTensor  # the ANE's limits; a MIL variable with + - * /
 from plumbing.settings import ON_MAC, UserError, setting  # macOS?; an error the user fixes; a flag
 
 # -----------------------------------------------------------------------------
@@ -613,33 +613,6 @@ def grads_finite(grads):
 # host twice, as fp32 (coreml_and_ane.md section 1). Opset macOS13: fp16 in and out.
 # 'step', the whole step as one program, can be exported to compare (--whole_step).
 ANE_PIECES = ('block_forward', 'head', 'block_backward')
-
-
-class MILTensor:
-    """A MIL variable whose + - * / record MIL ops; Python floats become fp16 constants."""
-
-    def __init__(self, var):
-        self.v = var
-
-    @property
-    def shape(self):
-        return tuple(self.v.shape)
-
-    def _bin(self, op, other, swap=False):
-        from coremltools.converters.mil import Builder as mb
-        y = other.v if isinstance(other, MILTensor) else np.float16(other)
-        x, y = (y, self.v) if swap else (self.v, y)
-        return MILTensor(getattr(mb, op)(x=x, y=y))
-
-    def __add__(self, o): return self._bin('add', o)
-    def __radd__(self, o): return self._bin('add', o, swap=True)
-    def __sub__(self, o): return self._bin('sub', o)
-    def __rsub__(self, o): return self._bin('sub', o, swap=True)
-    def __mul__(self, o): return self._bin('mul', o)
-    def __rmul__(self, o): return self._bin('mul', o, swap=True)
-    def __truediv__(self, o): return self._bin('real_div', o)
-    def __rtruediv__(self, o): return self._bin('real_div', o, swap=True)
-    def __neg__(self): return self._bin('mul', -1.0)
 
 
 class MILOps(Derivation):

@@ -42,6 +42,33 @@ OFF_ANE_OPS = {'gather', 'gather_nd', 'gather_along_axis', 'scatter', 'scatter_n
 ELEMENTWISE_FLOPS = {'softmax': 5}  # max, subtract, exp, sum, divide per element
 
 
+class MILTensor:
+    """A MIL variable whose + - * / record MIL ops; Python floats become fp16 constants."""
+
+    def __init__(self, var):
+        self.v = var
+
+    @property
+    def shape(self):
+        return tuple(self.v.shape)
+
+    def _bin(self, op, other, swap=False):
+        from coremltools.converters.mil import Builder as mb
+        y = other.v if isinstance(other, MILTensor) else np.float16(other)
+        x, y = (y, self.v) if swap else (self.v, y)
+        return MILTensor(getattr(mb, op)(x=x, y=y))
+
+    def __add__(self, o): return self._bin('add', o)
+    def __radd__(self, o): return self._bin('add', o, swap=True)
+    def __sub__(self, o): return self._bin('sub', o)
+    def __rsub__(self, o): return self._bin('sub', o, swap=True)
+    def __mul__(self, o): return self._bin('mul', o)
+    def __rmul__(self, o): return self._bin('mul', o, swap=True)
+    def __truediv__(self, o): return self._bin('real_div', o)
+    def __rtruediv__(self, o): return self._bin('real_div', o, swap=True)
+    def __neg__(self): return self._bin('mul', -1.0)
+
+
 def check_shapes(B, T, block_size):
     """Calls of B sequences of T tokens: the tokens on one axis, within the ANE's largest dimension."""
     if B < 1 or T < 1:
