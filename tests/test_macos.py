@@ -231,7 +231,7 @@ del os.environ['MACOS_DOUBLE_SUDO']
 
 # a Neural Engine compile that fails at load, in this process; one that kills the process at
 # its first predict (coremltools #2758), in the worker (the double's switch, read at each)
-spec = hg.ane_spec(hg.Config(**vars(cfg), batch_size=B, ane_programs='p'), None) | dict(threads=1)
+spec = hg.ane_spec(hg.Config(**vars(cfg), batch_size=B, ane_programs='p'), torch.float16) | dict(threads=1)
 os.environ['MACOS_DOUBLE_FAIL'] = 'load'
 try:
     hg.ane_engine(spec)
