@@ -41,7 +41,7 @@ from plumbing import checkpoints  # defines: check_out_dir, resume, state, save_
 from plumbing import distributed  # defines: join_ranks, rank_share, all_reduce_sum, gather, leave
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
-from plumbing import pretrained  # defines: configure, state_dict (OpenAI's GPT-2 in this layout)
+from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, numpy_programs, the ANE's limits
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
@@ -1061,8 +1061,7 @@ class HeteroStep:
             self.split.observe({n: r['seconds'] / r['n'] for n, r in results.items()})
         for name, r in results.items():  # a flag the host read counts now; a pending one in update()
             if 'seconds' in r:
-                self.engines[name].scaler.update(r['finite'])
-                self.dropped[name] += not r['finite']
+                self._count(name, r['finite'])
         used = {n: r for n, r in results.items() if 'seconds' not in r or r['finite']}
         n, loss = sum(r['n'] for r in used.values()), sum(r['loss'] for r in used.values())
         master, total = self.master, None
@@ -1086,6 +1085,10 @@ class HeteroStep:
             p.grad = g
         return dict(loss=loss / n, n=n, used=sorted(used), results=results)
 
+    def _count(self, name, finite):  # an engine's flag, read: its loss scale, and a drop if not finite
+        self.engines[name].scaler.update(finite)
+        self.dropped[name] += not finite
+
     def update(self, out, grad_clip=0.0):
         """The step's one AdamW update from the mean gradient (clipped to norm grad_clip when > 0),
         if any is usable and (on the device) finite; then a pending engine settled, the gradients freed."""
@@ -1099,8 +1102,7 @@ class HeteroStep:
             r.pop('grads', None)
             if 'seconds' not in r:  # the update is queued: now the host reads them, as run_engine's wait
                 r |= dict(loss=float(r['loss']), finite=bool(r['finite']), seconds=time.perf_counter() - r['t0'])
-                self.engines[name].scaler.update(r['finite'])
-                self.dropped[name] += not r['finite']
+                self._count(name, r['finite'])
                 self.skipped += not r['finite']
                 out |= dict(loss=r['loss'] / r['n']) if r['finite'] else dict(loss=float('nan'), n=0, used=[])
         return out
