@@ -970,8 +970,9 @@ class Split:
 
 
 def run_engine(engine, microbatches, wait=True):
-    """Thread body: forward+backward of each microbatch; the sums of their gradients and losses, and
-    whether all is finite, on the device. wait: read here, so that seconds hold the device's work."""
+    """Thread body: forward+backward of each microbatch; the sums of their gradients and losses on the
+    device. wait: whether all is finite, read here with the loss, so that seconds hold the device's work;
+    else nothing is read (HeteroStep.update decides on the device)."""
     t0, acc, loss = time.perf_counter(), None, 0.0
     for idx, targets in microbatches:
         l, g = engine.loss_and_grads(idx, targets)
@@ -980,9 +981,12 @@ def run_engine(engine, microbatches, wait=True):
         else:  # one launch, not one per tensor (benchmarks/RESULTS.md, 14)
             torch._foreach_add_(list(acc.values()), list(g.values()))
         loss = loss + l.float()  # a tensor: no wait for the device
-    r = dict(grads=acc, loss=loss, finite=grads_finite(acc | {'loss': loss.reshape(1)}), n=len(microbatches), t0=t0)
+    r = dict(grads=acc, loss=loss, n=len(microbatches), t0=t0)
     if wait:  # the host reads them: the one wait for the device (seconds: the split's)
-        r |= dict(loss=float(loss), finite=bool(r['finite']), seconds=time.perf_counter() - t0)
+        finite = grads_finite(acc | {'loss': loss.reshape(1)})
+        return r | dict(loss=float(loss), finite=bool(finite), seconds=time.perf_counter() - t0)
+    # a loss that is not finite makes one gradient value NaN: the update's check then skips it too
+    min(acc.values(), key=torch.Tensor.numel).view(-1)[:1].add_(loss * 0)
     return r
 
 
@@ -1005,7 +1009,9 @@ class HeteroStep:
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
         self.skipped = 0  # steps with no usable gradient at all (no update)
-        # AdamW skipped on the device where a gradient is not finite (scale 1: nothing is scaled here)
+        # The mean and the finiteness check in one pass on the device: a GradScaler whose "scale" is the
+        # count of microbatches summed. Its unscale_ divides the sums by it and notes whether all is finite;
+        # its step then skips AdamW on the device if not, and its update() halves the scale (the host's sign)
         self.master = next(iter(self.params.values()))
         dev = self.master.device  # (MPS: the flags are read first, coreml_and_ane.md section 6)
         self.guard = torch.amp.GradScaler(dev.type, init_scale=1.0, enabled=dev.type in ('cuda', 'cpu'))
@@ -1079,10 +1085,13 @@ class HeteroStep:
         if n == 0:  # no usable gradient on any rank: no update
             self.skipped += 1
             return dict(loss=float('nan'), n=0, used=[], results=results)
-        # a pending flag joins the count: 0 leaves no finite gradient, so the guard skips the update
-        torch._foreach_div_(total, math.prod(r['finite'] for r in used.values() if 'seconds' not in r) * float(n))
         for p, g in zip(self.params.values(), total):
             p.grad = g
+        if self.guard.is_enabled() and self.optimizer:  # the mean, and the check that update() uses
+            self.guard.update(float(n))
+            self.guard.unscale_(self.optimizer)
+        else:
+            torch._foreach_div_(total, float(n))  # one launch
         return dict(loss=loss / n, n=n, used=sorted(used), results=results)
 
     def _count(self, name, finite):  # an engine's flag, read: its loss scale, and a drop if not finite
@@ -1095,13 +1104,14 @@ class HeteroStep:
         if out['n']:
             if grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params.values(), grad_clip)
-            self.guard.step(self.optimizer)  # checks the gradients on the device; skips if one is not finite
-            self.guard.update(1.0)
+            self.guard.step(self.optimizer)  # fused AdamW: skipped on the device if a gradient is not finite
+            self.guard.update()  # (skipped: the scale halves)
         self.optimizer.zero_grad(set_to_none=True)
         for name, r in out['results'].items():  # the sums are in p.grad or freed
             r.pop('grads', None)
-            if 'seconds' not in r:  # the update is queued: now the host reads them, as run_engine's wait
-                r |= dict(loss=float(r['loss']), finite=bool(r['finite']), seconds=time.perf_counter() - r['t0'])
+            if 'seconds' not in r:  # the update is queued: now the host reads it, as run_engine's wait
+                finite = self.guard.get_scale() >= out['n']  # not halved: stepped
+                r |= dict(loss=float(r['loss']), finite=finite, seconds=time.perf_counter() - r['t0'])
                 self._count(name, r['finite'])
                 self.skipped += not r['finite']
                 out |= dict(loss=r['loss'] / r['n']) if r['finite'] else dict(loss=float('nan'), n=0, used=[])

@@ -22,6 +22,7 @@ import math
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import weakref
 from multiprocessing import shared_memory
@@ -30,6 +31,25 @@ import numpy as np
 import torch
 
 from .settings import ON_MAC, UserError, one_line
+
+
+# Each call of the exchange that releases the GIL (the pipe's send and poll, the copies) must take it back
+# from the GPU engine's thread, which holds it between its kernel launches. It gets it when CPython makes
+# the holder drop it, after up to the switch interval (sys.setswitchinterval; Python/ceval_gil.c). So while
+# a worker is up the interval is 0.5 ms, not CPython's 5 ms (benchmarks/RESULTS.md, 15): the other thread
+# pays one switch per request for the GIL, not one per interval.
+SWITCH_S = 5e-4
+_switch = dict(up=0, before=None)
+
+
+def gil_switch(delta):
+    """One more (+1) or one fewer (-1) worker up: SWITCH_S while any is, then the interval as it was."""
+    if delta > 0 and _switch['up'] == 0:
+        _switch['before'] = sys.getswitchinterval()
+        sys.setswitchinterval(min(_switch['before'], SWITCH_S))
+    _switch['up'] += delta
+    if _switch['up'] == 0:
+        sys.setswitchinterval(_switch['before'])
 
 
 class WorkerFault(RuntimeError):
@@ -157,6 +177,7 @@ class WorkerEngine:
         self.proc = ctx.Process(target=serve, args=(child, self.bufs.names, spec, make), name='ane-worker', daemon=True)
         # stopped when this engine is freed, or at exit (a finalizer that holds no reference to it)
         self._stop = weakref.finalize(self, _shutdown, self.proc, self.conn, self.bufs)
+        gil_switch(+1)
         if ON_MAC:
             log("starting the ANE worker: it compiles the Core ML programs for the Neural Engine, which the "
                 "first time may take many minutes; later starts load them from the cache")
@@ -232,7 +253,8 @@ class WorkerEngine:
         self.proc = self.bufs = None
 
 
-def _shutdown(proc, conn, bufs):
+def _shutdown(proc, conn, bufs):  # (once per worker: weakref.finalize calls it at most once)
+    gil_switch(-1)
     if proc.pid is not None and proc.is_alive():
         try:
             conn.send(('stop',))

@@ -282,12 +282,15 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, r
 def test_no_checkpoint_after_a_dropped_step_but_the_last(data_dir, tmp_path, monkeypatch):
     # steps 5 and 10 of 10 (both due a checkpoint) have no usable gradient: step 5 writes
     # none (its state may be on its way to diverging), the run's last step does
-    calls, real = [], hg.grads_finite
+    calls, real = [], hg.AutogradEngine.loss_and_grads
 
-    def finite(grads):  # one call a step (gpu mode): every fifth says no
+    def every_fifth_nan(self, idx, targets):  # two calls a step (gpu mode): every fifth step's second, NaN
         calls.append(1)
-        return len(calls) % 5 != 0 and real(grads)
-    monkeypatch.setattr(hg, 'grads_finite', finite)
+        loss, grads = real(self, idx, targets)
+        if len(calls) % 10 == 0:
+            grads['transformer.wte.weight'][0, 0] = float('nan')
+        return loss, grads
+    monkeypatch.setattr(hg.AutogradEngine, 'loss_and_grads', every_fifth_nan)
     assert main(data_dir, tmp_path / 'o', '--max_iters', '10', '--mode', 'gpu') == 0
-    assert len(calls) == 10 and not (tmp_path / 'o' / 'ckpt.prev.pt').exists()
+    assert len(calls) == 20 and not (tmp_path / 'o' / 'ckpt.prev.pt').exists()
     assert torch.load(tmp_path / 'o' / 'ckpt.pt', weights_only=True)['iter_num'] == 10

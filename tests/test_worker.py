@@ -4,6 +4,7 @@ import dataclasses
 import multiprocessing
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -135,8 +136,10 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
 
 
 def test_worker_that_cannot_start_is_one_clear_error(worker):
+    up, before = plumbing_worker._switch['up'], sys.getswitchinterval()
     with pytest.raises(hg.UserError, match='could not start.*no Neural Engine here.*--mode gpu'):
         worker(make=worker_faults.cannot_start)
+    assert plumbing_worker._switch['up'] == up and sys.getswitchinterval() == before  # its short GIL switch undone
 
 
 def test_a_full_dev_shm_is_refused_before_the_worker_starts(monkeypatch):
@@ -176,9 +179,11 @@ def test_the_worker_runs_exported_programs(exported):
     path = exported(**helpers.PROGRAMS)
     cfg = hg.Config(**vars(gcfg), batch_size=4, ane_batch_size=2, ane_evaluator='numpy', ane_programs=path)
     spec = hg.ane_spec(cfg, torch.float16, log=pytest.fail) | dict(threads=1)  # found, not exported again
+    before = sys.getswitchinterval()  # (5 ms; or short already if the module's worker is up)
     w = plumbing_worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(256.0, 0), log=lambda s: None,
                                      load_timeout=120)
     try:
+        assert sys.getswitchinterval() == plumbing_worker.SWITCH_S < 5e-3  # while a worker is up
         here = export_ane.open_programs(path, scaler=hg.LossScaler(256.0, 0))
         assert 'NumPy evaluator' in w.label and w.label.startswith(f'Core ML programs {path}')
         torch.manual_seed(0)
@@ -198,6 +203,7 @@ def test_the_worker_runs_exported_programs(exported):
         assert abs(lw.item() - ref_loss) <= 1e-2 * ref_loss
     finally:
         w.close()
+    assert sys.getswitchinterval() == before  # as it was: 5 ms again once no worker is up
 
 
 def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
