@@ -930,12 +930,15 @@ class LossScaler:
 class Split:
     """How many of a step's n microbatches go to the ANE engine. Fixed (`fraction`), or
     auto: from each engine's measured seconds per microbatch (smoothed), give each a share
-    proportional to its speed, so that both finish together."""
+    proportional to its speed, so that both finish together; unless the GPU engine alone
+    makes the faster step, as where the two share one GPU: then the ANE gets none."""
 
     def __init__(self, n, fraction='auto'):
         self.n, self.auto = n, fraction == 'auto'
         self.k = n // 2 if self.auto else round(float(fraction) * n)
         self.sec, self.steps = {}, 0  # engine name -> smoothed seconds per microbatch; steps assigned
+        self.step_sec = {}  # 'alone' (the GPU engine with all n) and 'both': a whole step's, per microbatch
+        self.last = self.k
 
     def current(self, alive):
         """The ANE's share of the microbatches, given which engines are alive."""
@@ -944,15 +947,22 @@ class Split:
     def assign(self, alive):
         """The ANE's share for the next step. In auto mode, every 20th step gives each
         engine at least one microbatch, so one the split left idle is measured again,
-        unless one microbatch of it took longer than two whole steps of the other."""
+        unless one microbatch of it took longer than two whole steps of the other. Where
+        both get a share, the GPU engine alone is timed at step 10 and every 100th step
+        after; while alone is faster, the ANE gets none but at every 20th step."""
         self.steps += 1
         k = self.current(alive)
-        if self.auto and len(alive) == 2 and self.n >= 2 and self.steps % 20 == 0:
+        if self.auto and len(alive) == 2 and self.n >= 2:
+            probe = self.steps % 20 == 0
             worth = lambda idle, busy: self.sec.get(idle, 0) <= 2 * self.n * self.sec.get(busy, 0)
-            if k == 0 and worth('ane', 'gpu'):
+            alone, both = self.step_sec.get('alone', math.inf), self.step_sec.get('both', 0.0)
+            if k == 0 and probe and worth('ane', 'gpu'):
                 k = 1
-            elif k == self.n and worth('gpu', 'ane'):
+            elif k == self.n and probe and worth('gpu', 'ane'):
                 k = self.n - 1
+            elif 0 < k < self.n and (self.steps % 100 == 10 or alone < both and not probe):
+                k = 0
+        self.last = k  # (what the log reports)
         return k
 
     def observe(self, seconds_per_mb):
@@ -962,11 +972,18 @@ class Split:
             r_gpu, r_ane = 1 / self.sec['gpu'], 1 / self.sec['ane']
             self.k = min(self.n, max(0, round(self.n * r_ane / (r_gpu + r_ane))))
 
+    def observe_step(self, k, seconds_per_mb):
+        """A whole step's seconds per microbatch, both engines up, the ANE's share k (0: none)."""
+        if k < self.n:
+            key = 'both' if k else 'alone'
+            self.step_sec[key] = seconds_per_mb if key not in self.step_sec else 0.5 * (self.step_sec[key] + seconds_per_mb)
+
     def state_dict(self):
-        return dict(n=self.n, k=self.k, sec=self.sec, steps=self.steps)
+        return dict(n=self.n, k=self.k, sec=self.sec, steps=self.steps, step_sec=self.step_sec)
 
     def load_state_dict(self, s):  # from a share of another size (other ranks): the speeds, not k
         self.k, self.sec, self.steps = s['k'] if s.get('n', self.n) == self.n else self.k, s['sec'], s['steps']
+        self.step_sec = s.get('step_sec', {})
 
 
 def run_engine(engine, microbatches, wait=True):
@@ -1027,7 +1044,7 @@ class HeteroStep:
     def __call__(self, microbatches):
         """The mean gradient into p.grad; returns dict(loss, n, used, results)."""
         self.check(microbatches)
-        k = self.split.assign(self.alive)
+        k, both = self.split.assign(self.alive), len(self.alive) == 2
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
         for name in (n for n in self.alive - {'gpu'} if shares[n]):  # this step's weights
             self.engines[name].load_weights(self.params)
@@ -1042,7 +1059,7 @@ class HeteroStep:
             except Exception as e:  # reported in _recover; training goes on with the other engine
                 errors[name] = e
         self._recover(results, errors, shares)
-        return self._combine(results)
+        return self._combine(results) | dict(k=k if both and not errors else None)
 
     def _recover(self, results, errors, shares):
         """An engine that raised is reported and retired; the other runs its microbatches too (the whole batch)."""
@@ -1115,6 +1132,9 @@ class HeteroStep:
                 self._count(name, r['finite'])
                 self.skipped += not r['finite']
                 out |= dict(loss=r['loss'] / r['n']) if r['finite'] else dict(loss=float('nan'), n=0, used=[])
+        if out.get('k') is not None:  # the whole step's time, both engines up: for the auto split
+            res = out['results'].values()
+            self.split.observe_step(out['k'], max(r['seconds'] for r in res) / sum(r['n'] for r in res))
         return out
 
 
@@ -1317,7 +1337,7 @@ def train(cfg, given=frozenset()):
                 dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
                 row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
                            elapsed=elapsed, mode=cfg.mode)
-                own = dict(ane_microbatches=split.current(step.alive), microbatches=split.n,
+                own = dict(ane_microbatches=split.last, microbatches=split.n,
                            dropped=dict(step.dropped), skipped=step.skipped)  # this rank's
                 for n, r in out['results'].items():
                     own[f'{n}_tokens_per_s'] = r['n'] * cfg.batch_size * cfg.block_size / r['seconds']

@@ -265,6 +265,40 @@ def test_auto_split_remeasures_an_idle_engine():
         assert eng['ane'].calls == calls + probes, ane_sec
 
 
+def test_auto_split_gives_the_ane_nothing_where_the_gpu_alone_is_faster():
+    # beside each other the GPU engine takes 0.03 s a microbatch and the ANE 0.06 s (a share of
+    # 1 of 4: round(4 * (1/0.06) / (1/0.03 + 1/0.06)) = 1); a step over both takes
+    # max(3 * 0.03, 1 * 0.06) / 4 = 0.0225 s a microbatch. The GPU engine alone takes 0.02 s
+    # (the engines share one GPU): from its timing at step 10 on, the ANE gets nothing but
+    # at every 20th step. At 0.03 s alone (separate chips, as on a Mac) it keeps its share,
+    # and only steps 10 and 110 time the GPU alone.
+    for alone_s, want in ((0.02, lambda s: 1 if s % 20 == 0 else 0), (0.03, lambda s: 0 if s in (10, 110) else 1)):
+        split, given = hg.Split(4, 'auto'), []
+        for s in range(1, 121):
+            k = split.assign({'gpu', 'ane'})
+            given.append(k)
+            if k:
+                split.observe({'gpu': 0.03, 'ane': 0.06})
+            split.observe_step(k, max(0.03 * (4 - k), 0.06 * k) / 4 if k else alone_s)
+            assert split.last == k
+        assert given[0] == 2 and all(given[1:9]), given[:9]  # even, then by speed
+        assert given[9:] == [want(s) for s in range(10, 121)], (alone_s, given)
+
+
+def test_a_hetero_step_times_itself_for_the_split():
+    # each updated step over both engines reports its share and time to the split: step 10
+    # runs the GPU engine alone (the ANE is not called), and both kinds of step are timed
+    model = tiny_model()
+    eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, const_grads(model, 1.0))}
+    step = hg.HeteroStep(model, eng, hg.Split(4, 'auto'), optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    for s in range(1, 11):
+        calls = eng['ane'].calls
+        out = step.update(step(microbatches(4)))
+        assert out['k'] == (0 if s == 10 else eng['ane'].calls - calls) and out['n'] == 4
+    assert eng['ane'].calls == calls and set(step.split.step_sec) == {'alone', 'both'}
+    assert all(v > 0 for v in step.split.step_sec.values())
+
+
 def test_nonfinite_gradients_are_skipped_and_counted():
     model = tiny_model()
     eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, const_grads(model, float('inf')))}
