@@ -1104,8 +1104,11 @@ class HeteroStep:
             return dict(loss=float('nan'), n=0, used=[], results=results)
         for p, g in zip(self.params.values(), total):
             p.grad = g
-        if self.guard.is_enabled() and self.optimizer:  # the mean, and the check that update() uses
-            self.guard.update(float(n))
+        # the mean: by the guard, as it checks (its 1/n is rounded to fp32: fp64 divides here, exactly)
+        by_guard = self.guard.is_enabled() and self.optimizer and self.master.dtype == torch.float32
+        self.scale = float(n) if by_guard else 1.0  # (update(): a skipped AdamW halved it)
+        self.guard.update(self.scale)
+        if by_guard:
             self.guard.unscale_(self.optimizer)
         else:
             torch._foreach_div_(total, float(n))  # one launch
@@ -1127,7 +1130,7 @@ class HeteroStep:
         for name, r in out['results'].items():  # the sums are in p.grad or freed
             r.pop('grads', None)
             if 'seconds' not in r:  # the update is queued: now the host reads it, as run_engine's wait
-                finite = self.guard.get_scale() >= out['n']  # not halved: stepped
+                finite = self.guard.get_scale() >= self.scale  # not halved: stepped
                 r |= dict(loss=float(r['loss']), finite=finite, seconds=time.perf_counter() - r['t0'])
                 self._count(name, r['finite'])
                 self.skipped += not r['finite']

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import weakref
 from multiprocessing import shared_memory
@@ -34,22 +35,24 @@ from .settings import ON_MAC, UserError, one_line
 
 
 # Each call of the exchange that releases the GIL (the pipe's send and poll, the copies) must take it back
-# from the GPU engine's thread, which holds it between its kernel launches. It gets it when CPython makes
-# the holder drop it, after up to the switch interval (sys.setswitchinterval; Python/ceval_gil.c). So while
-# a worker is up the interval is 0.5 ms, not CPython's 5 ms (benchmarks/RESULTS.md, 15): the other thread
-# pays one switch per request for the GIL, not one per interval.
+# from the GPU engine's thread, which holds it between its kernel launches. A waiting thread asks the
+# holder to drop it once the switch interval has passed (sys.setswitchinterval; take_gil in CPython's
+# Python/ceval_gil.c), and the holder drops it at its next bytecode boundary. So while a worker is up the
+# interval is 0.5 ms, not CPython's 5 ms (benchmarks/RESULTS.md, 15); the other thread is asked only when
+# this one waits.
 SWITCH_S = 5e-4
-_switch = dict(up=0, before=None)
+_switch = dict(up=0, before=None, lock=threading.Lock())
 
 
 def gil_switch(delta):
     """One more (+1) or one fewer (-1) worker up: SWITCH_S while any is, then the interval as it was."""
-    if delta > 0 and _switch['up'] == 0:
-        _switch['before'] = sys.getswitchinterval()
-        sys.setswitchinterval(min(_switch['before'], SWITCH_S))
-    _switch['up'] += delta
-    if _switch['up'] == 0:
-        sys.setswitchinterval(_switch['before'])
+    with _switch['lock']:  # (a fault may stop a worker from the engine's thread)
+        if delta > 0 and _switch['up'] == 0:
+            _switch['before'] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch['before'], SWITCH_S))
+        _switch['up'] += delta
+        if _switch['up'] == 0:
+            sys.setswitchinterval(_switch['before'])
 
 
 class WorkerFault(RuntimeError):

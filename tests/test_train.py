@@ -299,6 +299,22 @@ def test_a_hetero_step_times_itself_for_the_split():
     assert all(v > 0 for v in step.split.step_sec.values())
 
 
+def test_the_mean_is_exact_in_fp64_and_within_a_rounding_in_fp32():
+    # three microbatches of gradient 1: their sum 3 over the count 3. In fp32 the guard
+    # divides as it checks (1/3 rounded to fp32: within 2^-23 relative of 1); in fp64 the
+    # step divides itself, so SGD at lr 1 moves every weight by 1 exactly (fp64 with fp32's
+    # 1/3 would be 1 + 3e-8 off)
+    for dtype, tol in ((torch.float32, 2.0 ** -23), (torch.float64, 0.0)):
+        model = tiny_model().to(dtype)
+        before = [p.detach().clone() for p in model.parameters()]
+        step = hg.HeteroStep(model, {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0))}, hg.Split(3, '0'),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+        step.update(step(microbatches(3)))
+        for p, q in zip(model.parameters(), before):
+            moved = (q - p.detach()).double()  # (fp32 weights: the subtraction rounds too, within 2^-23 of 1)
+            assert ((moved - 1).abs() <= 2 * tol).all(), (dtype, (moved - 1).abs().max())
+
+
 def test_nonfinite_gradients_are_skipped_and_counted():
     model = tiny_model()
     eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, const_grads(model, float('inf')))}
