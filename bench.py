@@ -84,7 +84,7 @@ def bench(cfg, given):
             rd['joules'].append(None if j is None else j - j0)
         rows[mode] = dict(tok_s=statistics.median(rd['tok_s']), rounds=[round(x) for x in rd['tok_s']],
                           j_tok=None if None in rd['joules'] else sum(rd['joules']) / n_tok,
-                          split=f"{step.split.last}/{step.split.n}" if mode == 'hetero' else '-',
+                          split=f"{out['k']}/{step.split.n}" if mode == 'hetero' else '-',
                           engines=' + '.join(e.label for e in engines.values()), meter=meter.name,
                           # where a step's time goes: each engine's share (in parallel), the whole step
                           ms_step=1000 * statistics.median(rd['step_s']),

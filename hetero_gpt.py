@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import prepare_data  # defines: load (checked token arrays), DataError, get_encoding
-from plumbing import checkpoints  # defines: check_out_dir, resume, state, save_checkpoint, diverged
+from plumbing import checkpoints  # defines: check_out_dir, resume, state, save_checkpoint, diverged, closing_sample
 from plumbing import distributed  # defines: join_ranks, rank_share, all_reduce_sum, gather, leave
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
@@ -46,7 +46,7 @@ from plumbing import programs  # defines: ensure, read_meta, load_compiled, nump
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
 from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW, MILTensor  # the ANE's limits; a MIL variable with + - * /
-from plumbing.settings import ON_MAC, UserError, setting  # macOS?; an error the user fixes; a flag
+from plumbing.settings import ON_MAC, UserError, check_batch, setting  # macOS?; a user's error; the batch check; a flag
 
 # -----------------------------------------------------------------------------
 # 1. Configuration: every setting, its default, and one line on what it does.
@@ -543,8 +543,7 @@ def host_batch(wte, wpe, cfg, idx, targets, loss_scale):
     """The dense step's per-microbatch inputs: x0 = wte[idx] + wpe[:T] (the embedding
     lookup), wte_tgt = wte[targets] (the target rows), the loss scale as a (1, 1) tensor."""
     T = idx.shape[1]
-    return {'x0': (wte[idx] + wpe[:T]).reshape(-1, cfg.n_embd),
-            'wte_tgt': wte[targets.reshape(-1)],
+    return {'x0': (wte[idx] + wpe[:T]).reshape(-1, cfg.n_embd), 'wte_tgt': wte[targets.reshape(-1)],
             'loss_scale': torch.full((1, 1), float(loss_scale), dtype=wte.dtype, device=wte.device)}
 
 
@@ -570,16 +569,6 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
     if loss_scale != 1.0:
         torch._foreach_div_(list(grads.values()), float(loss_scale))  # one launch (benchmarks/RESULTS.md)
     return grads
-
-
-def check_batch(cfg, idx, targets):
-    if idx.dim() != 2 or idx.shape != targets.shape:
-        raise ValueError(f"idx and targets must both be (B, T); got {tuple(idx.shape)} and {tuple(targets.shape)}")
-    if idx.shape[1] > cfg.block_size:
-        raise ValueError(f"sequence length {idx.shape[1]} is longer than block_size {cfg.block_size}")
-    for name, t in (('idx', idx), ('targets', targets)):
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.vocab_size):
-            raise ValueError(f"{name} has token ids outside [0, {cfg.vocab_size})")
 
 
 def eager_loss_and_grads(ops, cfg, w, idx, targets, loss_scale):
@@ -904,9 +893,8 @@ class EagerEngine(Engine):
 
 
 class LossScaler:
-    """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale` (small
-    gradients do not flush to zero), the host divides it out. A non-finite step halves it;
-    `window` finite steps double it, unless twice the window's largest value (`peak`) passes `limit`."""
+    """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale` (small gradients stay above
+    zero), the host divides it out. Non-finite: halved; `window` finite steps: doubled, unless 2 x `peak` > `limit`."""
 
     def __init__(self, scale, window, enabled=True, limit=math.inf):
         self.scale = float(scale) if enabled else 1.0
@@ -928,28 +916,25 @@ class LossScaler:
 
 
 class Split:
-    """How many of a step's n microbatches go to the ANE engine. Fixed (`fraction`), or
-    auto: from each engine's measured seconds per microbatch (smoothed), give each a share
-    proportional to its speed, so that both finish together; unless the GPU engine alone
-    makes the faster step, as where the two share one GPU: then the ANE gets none."""
+    """How many of a step's n microbatches go to the ANE engine. Fixed (`fraction`), or auto: from each engine's
+    measured seconds per microbatch (smoothed), shares proportional to speed, so that both finish together;
+    unless the GPU engine alone makes the faster step (as where the two share one GPU): then the ANE gets none."""
 
     def __init__(self, n, fraction='auto'):
         self.n, self.auto = n, fraction == 'auto'
         self.k = n // 2 if self.auto else round(float(fraction) * n)
         self.sec, self.steps = {}, 0  # engine name -> smoothed seconds per microbatch; steps assigned
-        self.step_sec = {}  # 'alone' (the GPU engine with all n) and 'both': a whole step's, per microbatch
-        self.last = self.k
+        self.step_sec = {}  # a whole step's, per microbatch: 'alone' (the GPU engine with all n), 'both'
 
     def current(self, alive):
         """The ANE's share of the microbatches, given which engines are alive."""
         return 0 if alive == {'gpu'} else self.n if alive == {'ane'} else self.k
 
     def assign(self, alive):
-        """The ANE's share for the next step. In auto mode, every 20th step gives each
-        engine at least one microbatch, so one the split left idle is measured again,
-        unless one microbatch of it took longer than two whole steps of the other. Where
-        both get a share, the GPU engine alone is timed at step 10 and every 100th step
-        after; while alone is faster, the ANE gets none but at every 20th step."""
+        """The ANE's share for the next step. In auto mode, every 20th step gives each engine at least one
+        microbatch, so one the split left idle is measured again, unless one microbatch of it took longer than
+        two whole steps of the other. Where both get a share, the GPU engine alone is timed at step 10 and
+        every 100th step after; while alone is faster, the ANE gets none but at every 20th step."""
         self.steps += 1
         k = self.current(alive)
         if self.auto and len(alive) == 2 and self.n >= 2:
@@ -962,7 +947,6 @@ class Split:
                 k = self.n - 1
             elif 0 < k < self.n and (self.steps % 100 == 10 or alone < both and not probe):
                 k = 0
-        self.last = k  # (what the log reports)
         return k
 
     def observe(self, seconds_per_mb):
@@ -972,11 +956,10 @@ class Split:
             r_gpu, r_ane = 1 / self.sec['gpu'], 1 / self.sec['ane']
             self.k = min(self.n, max(0, round(self.n * r_ane / (r_gpu + r_ane))))
 
-    def observe_step(self, k, seconds_per_mb):
-        """A whole step's seconds per microbatch, both engines up, the ANE's share k (0: none)."""
+    def observe_step(self, k, s):  # a whole step's seconds per microbatch, both engines up, the ANE's share k
         if k < self.n:
             key = 'both' if k else 'alone'
-            self.step_sec[key] = seconds_per_mb if key not in self.step_sec else 0.5 * (self.step_sec[key] + seconds_per_mb)
+            self.step_sec[key] = 0.5 * (self.step_sec.get(key, s) + s)  # (the first: s)
 
     def state_dict(self):
         return dict(n=self.n, k=self.k, sec=self.sec, steps=self.steps, step_sec=self.step_sec)
@@ -987,9 +970,8 @@ class Split:
 
 
 def run_engine(engine, microbatches, wait=True):
-    """Thread body: forward+backward of each microbatch; the sums of their gradients and losses on the
-    device. wait: whether all is finite, read here with the loss, so that seconds hold the device's work;
-    else nothing is read (HeteroStep.update decides on the device)."""
+    """Thread body: forward+backward of each microbatch; the sums of their gradients and losses on the device.
+    wait: read here with whether all is finite (seconds: the device's work); else HeteroStep.update decides."""
     t0, acc, loss = time.perf_counter(), None, 0.0
     for idx, targets in microbatches:
         l, g = engine.loss_and_grads(idx, targets)
@@ -1026,9 +1008,8 @@ class HeteroStep:
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
         self.skipped = 0  # steps with no usable gradient at all (no update)
-        # The mean and the finiteness check in one pass on the device: a GradScaler whose "scale" is the
-        # count of microbatches summed. Its unscale_ divides the sums by it and notes whether all is finite;
-        # its step then skips AdamW on the device if not, and its update() halves the scale (the host's sign)
+        # The mean and the finiteness check in one pass on the device: a GradScaler whose "scale" is the count
+        # summed. unscale_ divides by it, noting if all is finite; step skips AdamW if not; update() then halves it
         self.master = next(iter(self.params.values()))
         dev = self.master.device  # (MPS: the flags are read first, coreml_and_ane.md section 6)
         self.guard = torch.amp.GradScaler(dev.type, init_scale=1.0, enabled=dev.type in ('cuda', 'cpu'))
@@ -1059,7 +1040,7 @@ class HeteroStep:
             except Exception as e:  # reported in _recover; training goes on with the other engine
                 errors[name] = e
         self._recover(results, errors, shares)
-        return self._combine(results) | dict(k=k if both and not errors else None)
+        return self._combine(results) | dict(k=k, both=both and not errors)  # (k: the ANE's share)
 
     def _recover(self, results, errors, shares):
         """An engine that raised is reported and retired; the other runs its microbatches too (the whole batch)."""
@@ -1135,9 +1116,8 @@ class HeteroStep:
                 self._count(name, r['finite'])
                 self.skipped += not r['finite']
                 out |= dict(loss=r['loss'] / r['n']) if r['finite'] else dict(loss=float('nan'), n=0, used=[])
-        if out.get('k') is not None:  # the whole step's time, both engines up: for the auto split
-            res = out['results'].values()
-            self.split.observe_step(out['k'], max(r['seconds'] for r in res) / sum(r['n'] for r in res))
+        if out.get('both'):  # the whole step's time, both engines up: for the auto split
+            self.split.observe_step(out['k'], max(r['seconds'] for r in out['results'].values()) / self.split.n)
         return out
 
 
@@ -1340,7 +1320,7 @@ def train(cfg, given=frozenset()):
                 dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
                 row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
                            elapsed=elapsed, mode=cfg.mode)
-                own = dict(ane_microbatches=split.last, microbatches=split.n,
+                own = dict(ane_microbatches=out['k'], microbatches=split.n,
                            dropped=dict(step.dropped), skipped=step.skipped)  # this rank's
                 for n, r in out['results'].items():
                     own[f'{n}_tokens_per_s'] = r['n'] * cfg.batch_size * cfg.block_size / r['seconds']
@@ -1392,17 +1372,8 @@ def train(cfg, given=frozenset()):
         meter.close()
         metrics.close()
     distributed.leave()
-    if cfg.sample_tokens > 0 and rank == 0:  # training has succeeded: a failure here is one line
-        try:
-            enc = prepare_data.get_encoding()
-            best = checkpoints.read_checkpoint(checkpoints.best_path(ckpt_path), 'cpu')
-        except (prepare_data.DataError, ValueError) as e:
-            return print(f"no sample: {e}" + (' (best.pt)' if isinstance(e, ValueError) else ''), file=sys.stderr) or model
-        model.load_state_dict(best['model'])  # the run ends holding its best weights
-        with evaluator.autocast:
-            ids = model.generate(torch.tensor([enc.encode('\n')], device=device), cfg.sample_tokens, vocab=enc.n_vocab)
-        print(f"---- sample from best.pt (step {best['iter_num']}, validation loss {best['best_val_loss']:.4f}) ----\n"
-              + enc.decode(ids[0].tolist()))
+    if cfg.sample_tokens > 0 and rank == 0:  # the run ends holding its best weights, and shows text from them
+        checkpoints.closing_sample(model, ckpt_path, cfg.sample_tokens, device, evaluator.autocast)
     return model
 
 

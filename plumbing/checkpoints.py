@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import warnings
 
 import torch
@@ -91,6 +92,22 @@ def prev_path(path):
 
 def best_path(path):
     return os.path.join(os.path.dirname(path), 'best.pt')
+
+
+def closing_sample(model, ckpt_path, tokens, device, autocast):
+    """The run's best weights (best.pt) into model, then `tokens` of text sampled from them. Training has
+    succeeded: a tokenizer or a best.pt that cannot load is one 'no sample:' line, the weights left as they are."""
+    import prepare_data  # (the tokenizer's loader: a module of the root that imports nothing of ours)
+    try:
+        enc = prepare_data.get_encoding()
+        best = read_checkpoint(best_path(ckpt_path), 'cpu')
+    except (prepare_data.DataError, ValueError) as e:
+        return print(f"no sample: {e}" + (' (best.pt)' if isinstance(e, ValueError) else ''), file=sys.stderr)
+    model.load_state_dict(best['model'])
+    with autocast:
+        ids = model.generate(torch.tensor([enc.encode('\n')], device=device), tokens, vocab=enc.n_vocab)
+    print(f"---- sample from best.pt (step {best['iter_num']}, validation loss {best['best_val_loss']:.4f}) ----\n"
+          + enc.decode(ids[0].tolist()))
 
 
 def read_checkpoint(path, device):

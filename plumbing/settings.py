@@ -22,6 +22,17 @@ class UserError(Exception):
     """Something the user can fix: printed as one line, no traceback."""
 
 
+def check_batch(cfg, idx, targets):
+    """A ValueError if the model (cfg) cannot take this batch: shapes, length, token ids."""
+    if idx.dim() != 2 or idx.shape != targets.shape:
+        raise ValueError(f"idx and targets must both be (B, T); got {tuple(idx.shape)} and {tuple(targets.shape)}")
+    if idx.shape[1] > cfg.block_size:
+        raise ValueError(f"sequence length {idx.shape[1]} is longer than block_size {cfg.block_size}")
+    for name, t in (('idx', idx), ('targets', targets)):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.vocab_size):
+            raise ValueError(f"{name} has token ids outside [0, {cfg.vocab_size})")
+
+
 def one_line(e):
     """An exception in one line. Core ML's errors reach Python as an NSError's userInfo as
     Foundation prints it, a dictionary over several lines (coremltools' Utils::handleError):
