@@ -280,7 +280,6 @@ def test_auto_split_gives_the_ane_nothing_where_the_gpu_alone_is_faster():
             if k:
                 split.observe({'gpu': 0.03, 'ane': 0.06})
             split.observe_step(k, max(0.03 * (4 - k), 0.06 * k) / 4 if k else alone_s)
-            assert split.last == k
         assert given[0] == 2 and all(given[1:9]), given[:9]  # even, then by speed
         assert given[9:] == [want(s) for s in range(10, 121)], (alone_s, given)
 
