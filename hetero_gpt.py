@@ -979,7 +979,7 @@ def run_engine(engine, microbatches, wait=True):
             acc = g  # each call's tensors are its own: the sums go into the first
         else:  # one launch, not one per tensor (benchmarks/RESULTS.md, 14)
             torch._foreach_add_(list(acc.values()), list(g.values()))
-        loss = loss + l.float()  # a tensor: no wait for the device
+        loss, g = loss + l.float(), None  # a tensor: no wait for the device; this call's gradients freed now
     r = dict(grads=acc, loss=loss, n=len(microbatches), t0=t0)
     if wait:  # the host reads them: the one wait for the device (seconds: the split's)
         finite = grads_finite(acc | {'loss': loss.reshape(1)})

@@ -215,15 +215,20 @@ class WorkerEngine:
         self.conn.send(('run', b, float(self.scaler.scale), self.new_weights))
         self.new_weights = False
         # the gradients' new home, NumPy's memory (huge pages on Linux, numpy alloc.c), its pages faulted in
-        # (zeroed by the kernel at first touch) while the worker computes, so that the copy below only copies
-        flat = np.empty_like(self.bufs.flat['g'])
-        torch.from_numpy(flat).zero_()
+        # (zeroed by the kernel at first touch) while the worker computes, so that the copy below only copies.
+        # fill: one thread, the GIL released (NPY_BEGIN_THREADS_THRESHOLDED, numpy array_assign_scalar.c)
+        try:
+            flat = np.empty_like(self.bufs.flat['g'])
+            flat.fill(0)
+        except BaseException:  # (the worker's answer would be left unread)
+            self.close()
+            raise
         timeout = max(self.min_timeout, self.factor * b * self.slowest) if self.seconds is not None else self.load_timeout
         loss, peak, seconds = self._wait(timeout, f"computing {b} sequences")
         self.seconds, self.slowest = seconds, max(self.slowest, seconds / b)
         self.scaler.peak = max(self.scaler.peak, peak)
-        # one copy of the whole block. copy_ (and zero_ above) release the GIL while they run
-        # (pybind11::gil_scoped_release in dispatch_copy_, pytorch torch/csrc/autograd/python_variable_methods.cpp);
+        # one copy of the whole block. copy_ releases the GIL while it runs (pybind11::gil_scoped_release
+        # in dispatch_copy_, pytorch tools/autograd/templates/python_variable_methods.cpp);
         # beside a busy thread, taking it back waits about the switch interval: once here, not once per tensor
         # (from_numpy and views keep it)
         torch.from_numpy(flat).copy_(torch.from_numpy(self.bufs.flat['g']))
