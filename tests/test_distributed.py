@@ -191,6 +191,7 @@ def test_killed_rank_is_named_by_the_others(data_dir, tmp_path):
     ckpt_intact_and_resumable(data_dir, tmp_path)
 
 
+@pytest.mark.slow  # (a timeout of 5 s by design, and two ranks' start: in CI's slow run)
 def test_hung_rank_is_named_after_the_timeout(data_dir, tmp_path):
     # rank 1 stopped (SIGSTOP): rank 0's next collective times out after --dist_timeout, and names it.
     # (5 s: the ranks' start also waits for each other that long, and they may start seconds apart)
