@@ -1008,12 +1008,13 @@ class HeteroStep:
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
         self.skipped = 0  # steps with no usable gradient at all (no update)
-        # The mean and the finiteness check in one pass on the device: a GradScaler whose "scale" is the count
-        # summed. unscale_ divides by it, noting if all is finite; step skips AdamW if not; update() then halves it
+        # A gradient that is not finite never reaches the weights. Fused AdamW skips its update on the device
+        # by a flag, `found_inf`, the tensor GradScaler hands a fused optimizer (torch/amp/grad_scaler.py,
+        # step); CUDA's and the CPU's kernels skip by it, MPS's does not (coreml_and_ane.md section 6): there,
+        # and for another optimizer, the host reads the engines' flags before the update.
         self.master = next(iter(self.params.values()))
-        dev = self.master.device  # (MPS: the flags are read first, coreml_and_ane.md section 6)
-        self.guard = torch.amp.GradScaler(dev.type, init_scale=1.0, enabled=dev.type in ('cuda', 'cpu'))
-        self.guard.scale(torch.ones((), device=dev))  # (makes its scale there)
+        fused = optimizer is None or optimizer.defaults.get('fused')  # (make_optimizer's always is)
+        self.on_device = bool(fused) and self.master.device.type in ('cuda', 'cpu')
 
     def check(self, microbatches):  # a batch the model cannot take: bad data, not a faulty engine
         try:
@@ -1030,7 +1031,7 @@ class HeteroStep:
         for name in (n for n in self.alive - {'gpu'} if shares[n]):  # this step's weights
             self.engines[name].load_weights(self.params)
         # each engine in its own thread (the ANE worker's waits without the GIL); the GPU's alone: no wait
-        wait = any(shares[n] for n in self.alive - {'gpu'}) or not self.guard.is_enabled() or distributed.world()[1] > 1
+        wait = any(shares[n] for n in self.alive - {'gpu'}) or not self.on_device or distributed.world()[1] > 1
         futures = {n: self.threads[n].submit(run_engine, self.engines[n], shares[n], wait)
                    for n in self.alive if shares[n]}
         results, errors = {}, {}
@@ -1085,14 +1086,8 @@ class HeteroStep:
             return dict(loss=float('nan'), n=0, used=[], results=results)
         for p, g in zip(self.params.values(), total):
             p.grad = g
-        # the mean: by the guard, as it checks (its 1/n is rounded to fp32: fp64 divides here, exactly)
-        by_guard = self.guard.is_enabled() and self.optimizer and self.master.dtype == torch.float32
-        self.scale = float(n) if by_guard else 1.0  # (update(): a skipped AdamW halved it)
-        self.guard.update(self.scale)
-        if by_guard:
-            self.guard.unscale_(self.optimizer)
-        else:
-            torch._foreach_div_(total, float(n))  # one launch
+        if n > 1:  # the mean (divided by n, not times a rounded 1/n); one launch
+            torch._foreach_div_(total, float(n))
         return dict(loss=loss / n, n=n, used=sorted(used), results=results)
 
     def _count(self, name, finite):  # an engine's flag, read: its loss scale, and a drop if not finite
@@ -1103,16 +1098,21 @@ class HeteroStep:
         """The step's one AdamW update from the mean gradient (clipped to norm grad_clip when > 0),
         if any is usable and (on the device) finite; then a pending engine settled, the gradients freed."""
         if out['n']:
+            # the gradients' norm, read once on the device: the clip's, and not finite if any value is not
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params.values()])
             if grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params.values(), grad_clip)
-            self.guard.step(self.optimizer)  # fused AdamW: skipped on the device if a gradient is not finite
-            self.guard.update()  # (skipped: the scale halves)
+                torch.nn.utils.clip_grads_with_norm_(self.params.values(), grad_clip, norm)
+            finite = norm.isfinite()
+            if self.on_device:  # skipped on the device if not finite: no wait before the update
+                self.optimizer.found_inf = (~finite).float()  # (set before each of its steps)
+                self.optimizer.step()
+            elif finite:  # (the host waits)
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for name, r in out['results'].items():  # the sums are in p.grad or freed
             r.pop('grads', None)
             if 'seconds' not in r:  # the update is queued: now the host reads it, as run_engine's wait
-                finite = self.guard.get_scale() >= self.scale  # not halved: stepped
-                r |= dict(loss=float(r['loss']), finite=finite, seconds=time.perf_counter() - r['t0'])
+                r |= dict(loss=float(r['loss']), finite=bool(finite), seconds=time.perf_counter() - r['t0'])
                 self._count(name, r['finite'])
                 self.skipped += not r['finite']
                 out |= dict(loss=r['loss'] / r['n']) if r['finite'] else dict(loss=float('nan'), n=0, used=[])
@@ -1183,8 +1183,7 @@ def make_optimizer(model, cfg, device):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay},
               {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             fused=device.type in ('cuda', 'mps'))  # (MPS: torch 2.4+)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)  # (MPS: 2.4+)
 
 
 def ane_spec(cfg, dtype, log=print):

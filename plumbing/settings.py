@@ -28,9 +28,11 @@ def check_batch(cfg, idx, targets):
         raise ValueError(f"idx and targets must both be (B, T); got {tuple(idx.shape)} and {tuple(targets.shape)}")
     if idx.shape[1] > cfg.block_size:
         raise ValueError(f"sequence length {idx.shape[1]} is longer than block_size {cfg.block_size}")
-    for name, t in (('idx', idx), ('targets', targets)):
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.vocab_size):
-            raise ValueError(f"{name} has token ids outside [0, {cfg.vocab_size})")
+    if idx.numel():  # the four bounds read at once: one wait where the batch is on a device
+        bounds = torch.stack([idx.min(), idx.max(), targets.min(), targets.max()]).tolist()
+        for name, (lo, hi) in (('idx', bounds[:2]), ('targets', bounds[2:])):
+            if lo < 0 or hi >= cfg.vocab_size:
+                raise ValueError(f"{name} has token ids outside [0, {cfg.vocab_size})")
 
 
 def one_line(e):

@@ -299,10 +299,9 @@ def test_a_hetero_step_times_itself_for_the_split():
 
 
 def test_the_mean_is_exact_in_fp64_and_within_a_rounding_in_fp32():
-    # three microbatches of gradient 1: their sum 3 over the count 3. In fp32 the guard
-    # divides as it checks (1/3 rounded to fp32: within 2^-23 relative of 1); in fp64 the
-    # step divides itself, so SGD at lr 1 moves every weight by 1 exactly (fp64 with fp32's
-    # 1/3 would be 1 + 3e-8 off)
+    # three microbatches of gradient 1: their sum 3 over the count 3, divided (times 1/3
+    # rounded would be 1 - 3e-8 off in fp64, 2^-24 in fp32), so SGD at lr 1 moves every weight
+    # by 1 exactly in fp64; in fp32 the subtraction of the weights rounds, within 2^-23 of 1
     for dtype, tol in ((torch.float32, 2.0 ** -23), (torch.float64, 0.0)):
         model = tiny_model().to(dtype)
         before = [p.detach().clone() for p in model.parameters()]
@@ -512,20 +511,25 @@ def test_padded_lm_head_under_autocast_is_gpt2s():
         assert ga[k].dtype == torch.float32 and cos >= 0.9999, (k, cos)
 
 
-def test_a_lone_gpu_step_is_not_waited_for_and_skips_a_nonfinite_update():
-    # the GPU engine alone: its flag stays on the device until the update is queued, and a
-    # non-finite gradient never reaches the weights; the counters and loss scale follow
+@pytest.mark.parametrize('fused', [True, False])
+def test_a_lone_gpu_step_is_not_waited_for_and_skips_a_nonfinite_update(fused):
+    # the GPU engine alone, fused AdamW (make_optimizer's): its flag stays on the device until the
+    # update is queued, and AdamW skips by it. Another optimizer: the host reads the flag first.
+    # Either way a non-finite gradient never reaches the weights; the counters and loss scale follow
     model, value = tiny_model(), {'v': float('nan')}
     eng = {'gpu': FakeEngine('gpu', 0, lambda idx: {k: torch.full_like(p, value['v'])
                                                     for k, p in model.named_parameters()})}
-    step = hg.HeteroStep(model, eng, hg.Split(2, '0'), optimizer=torch.optim.AdamW(model.parameters()))
+    opt = torch.optim.AdamW(model.parameters(), fused=fused)
+    step = hg.HeteroStep(model, eng, hg.Split(2, '0'), optimizer=opt)
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     out = step(microbatches(2))
-    assert {'finite', 'seconds'}.isdisjoint(out['results']['gpu']) and out['used'] == ['gpu']  # not read yet
+    assert out['used'] == (['gpu'] if fused else [])
+    assert {'finite', 'seconds'}.isdisjoint(out['results']['gpu']) == fused  # fused: not read yet
     step.update(out)
     assert out['n'] == 0 and out['used'] == [] and math.isnan(out['loss'])
     assert step.skipped == 1 and step.dropped['gpu'] == 1 and eng['gpu'].scaler.scale == 512.0
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+    assert bool(opt.state) == fused and all(int(s['step']) == 0 for s in opt.state.values())  # (fused: taken back)
     value['v'] = 1.0
     out = step.update(step(microbatches(2)))
     assert out['n'] == 2 and out['loss'] == 2.0 and step.skipped == 1 and out['results']['gpu']['seconds'] > 0
