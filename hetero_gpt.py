@@ -861,9 +861,9 @@ class AutogradEngine(Engine):
         self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
 
     def loss_and_grads(self, idx, targets):
-        self.model.zero_grad(set_to_none=True)
         with self.autocast:  # the forward only: backward ops take their forward's dtypes
             _, loss = self.forward(idx.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
+        self.model.zero_grad(set_to_none=True)  # (once the forward is queued: the device is busy meanwhile)
         if self.scaler.enabled:  # unscale in fp32: the master weights' gradients are fp32
             (loss * self.scaler.scale).backward()
             return loss.detach(), {n: p.grad / self.scaler.scale for n, p in self.params}
@@ -1030,14 +1030,15 @@ class HeteroStep:
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
         for name in (n for n in self.alive - {'gpu'} if shares[n]):  # this step's weights
             self.engines[name].load_weights(self.params)
-        # each engine in its own thread (the ANE worker's waits without the GIL); the GPU's alone: no wait
+        # each engine in its own thread (the ANE worker's waits without the GIL); one alone runs here (no
+        # hand-off to a thread), and the GPU's alone with no wait
         wait = any(shares[n] for n in self.alive - {'gpu'}) or not self.on_device or distributed.world()[1] > 1
-        futures = {n: self.threads[n].submit(run_engine, self.engines[n], shares[n], wait)
-                   for n in self.alive if shares[n]}
-        results, errors = {}, {}
-        for name, f in futures.items():
+        names, results, errors = [n for n in self.alive if shares[n]], {}, {}
+        run = lambda name: run_engine(self.engines[name], shares[name], wait)
+        futures = {n: self.threads[n].submit(run, n) for n in names} if len(names) > 1 else {}
+        for name in names:
             try:
-                results[name] = f.result()
+                results[name] = futures[name].result() if futures else run(name)
             except Exception as e:  # reported in _recover; training goes on with the other engine
                 errors[name] = e
         self._recover(results, errors, shares)

@@ -8,7 +8,8 @@ batch 12 x 1024, fused AdamW:
                   as bench.py's);
   ours, host batch  the same, the batch on the host (as hetero_gpt.py's get_batch makes it).
 The last two less the plain loop is what the step's machinery costs. --kernels adds the top CUDA
-kernels of one forward+backward of each model (torch.profiler).
+kernels of one forward+backward of each model, --gaps where each loop leaves the GPU idle
+(torch.profiler's kernel timeline over 5 steps; the profiler slows the host a little).
 
     python -m benchmarks.profile_gpu_step --nanogpt .bench/nanoGPT --dtype bfloat16 [--compile]
 """
@@ -30,6 +31,7 @@ p.add_argument('--compile', action='store_true')
 p.add_argument('--rounds', type=int, default=5, help='turns of the four loops; a cell is the median')
 p.add_argument('--steps', type=int, default=20, help='timed steps a turn (after 3 warm-up steps)')
 p.add_argument('--kernels', action='store_true')
+p.add_argument('--gaps', action='store_true')
 a = p.parse_args()
 
 # nanoGPT's model.py, from its checkout (not part of this repository), by its path
@@ -91,3 +93,22 @@ if a.kernels:
             torch.cuda.synchronize()
         print(f"==== {name}")
         print(prof.key_averages().table(sort_by='cuda_time_total', row_limit=22, max_name_column_width=70))
+if a.gaps:
+    for name, fn in loops.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy, gaps, end = 0.0, [], ev[0][0]
+        for (t0, t1, k), prev in zip(ev, [('', '', '')] + ev[:-1]):
+            if t0 > end:
+                gaps.append((t0 - end, prev[2][:40], k[:40]))
+            busy += max(0.0, t1 - max(t0, end))
+            end = max(end, t1)
+        span = ev[-1][1] - ev[0][0]
+        print(f"==== {name}: a step {span / 5000:.3f} ms, the GPU busy {busy / 5000:.3f} ms, idle {(span - busy) / 5000:.3f} "
+              f"ms; the largest idle gaps (us, after -> before):")
+        for g in sorted(gaps, reverse=True)[:8]:
+            print(f"  {g[0]:8.1f}  {g[1]} -> {g[2]}")

@@ -88,7 +88,7 @@ def test_timed_evaluations(data_dir, tmp_path, ctrl_c, monkeypatch):
     # resumed evaluates at step 8 once more, as the run straight through does
     clock, real_step = Clock(), hg.HeteroStep.__call__
     monkeypatch.setattr(hg, 'time', clock)  # moved only here: 0.25 s a step, however often it is read
-    monkeypatch.setattr(hg.HeteroStep, '__call__', lambda self, mbs: (clock.advance(0.25), real_step(self, mbs))[1])
+    monkeypatch.setattr(hg.HeteroStep, '__call__', lambda self, mbs: (real_step(self, mbs), clock.advance(0.25))[0])
     timed = dict(eval_seconds=1, max_iters=10, log_interval=100)
     _, straight = helpers.train(data_dir, tmp_path / 'a', **timed)
     assert [(r['step'], r.get('eval_at_seconds')) for r in straight] == [(4, 1.0), (5, None), (8, 2.0), (10, None)]
