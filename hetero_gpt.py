@@ -864,11 +864,10 @@ class AutogradEngine(Engine):
         with self.autocast:  # the forward only: backward ops take their forward's dtypes
             _, loss = self.forward(idx.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
         self.model.zero_grad(set_to_none=True)  # (once the forward is queued: the device is busy meanwhile)
-        if self.scaler.enabled:  # unscale in fp32: the master weights' gradients are fp32
-            (loss * self.scaler.scale).backward()
-            return loss.detach(), {n: p.grad / self.scaler.scale for n, p in self.params}
-        loss.backward()
-        return loss.detach(), {n: p.grad for n, p in self.params}
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()  # (unscaled in fp32: the master's)
+        grads = {n: p.grad / self.scaler.scale if self.scaler.enabled else p.grad for n, p in self.params}
+        self.model.zero_grad(set_to_none=True)  # the model keeps none: the caller owns them
+        return loss.detach(), grads
 
 
 class EagerEngine(Engine):
@@ -1008,13 +1007,14 @@ class HeteroStep:
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
         self.skipped = 0  # steps with no usable gradient at all (no update)
-        # A gradient that is not finite never reaches the weights. Fused AdamW skips its update on the device
-        # by a flag, `found_inf`, the tensor GradScaler hands a fused optimizer (torch/amp/grad_scaler.py,
-        # step); CUDA's and the CPU's kernels skip by it, MPS's does not (coreml_and_ane.md section 6): there,
-        # and for another optimizer, the host reads the engines' flags before the update.
         self.master = next(iter(self.params.values()))
-        fused = optimizer is None or optimizer.defaults.get('fused')  # (make_optimizer's always is)
-        self.on_device = bool(fused) and self.master.device.type in ('cuda', 'cpu')
+
+    def on_device(self):
+        """Whether fused AdamW keeps a non-finite gradient from the weights on the device, by `found_inf` (the flag
+        GradScaler hands it: torch/amp/grad_scaler.py, step): CUDA's and the CPU's do, MPS's not (coreml_and_ane.md
+        section 6). Else (and if not fused, as a resumed run's may be) the host reads the flags first."""
+        groups = self.optimizer.param_groups if self.optimizer else []
+        return self.master.device.type in ('cuda', 'cpu') and all(g.get('fused') for g in groups)
 
     def check(self, microbatches):  # a batch the model cannot take: bad data, not a faulty engine
         try:
@@ -1030,12 +1030,11 @@ class HeteroStep:
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
         for name in (n for n in self.alive - {'gpu'} if shares[n]):  # this step's weights
             self.engines[name].load_weights(self.params)
-        # each engine in its own thread (the ANE worker's waits without the GIL); one alone runs here (no
-        # hand-off to a thread), and the GPU's alone with no wait
-        wait = any(shares[n] for n in self.alive - {'gpu'}) or not self.on_device or distributed.world()[1] > 1
+        # each engine in its own thread (the ANE worker's waits without the GIL); the GPU's alone here, unwaited
+        wait = any(shares[n] for n in self.alive - {'gpu'}) or not self.on_device() or distributed.world()[1] > 1
         names, results, errors = [n for n in self.alive if shares[n]], {}, {}
         run = lambda name: run_engine(self.engines[name], shares[name], wait)
-        futures = {n: self.threads[n].submit(run, n) for n in names} if len(names) > 1 else {}
+        futures = {n: self.threads[n].submit(run, n) for n in names} if names != ['gpu'] else {}
         for name in names:
             try:
                 results[name] = futures[name].result() if futures else run(name)
@@ -1104,9 +1103,10 @@ class HeteroStep:
             if grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(self.params.values(), grad_clip, norm)
             finite = norm.isfinite()
-            if self.on_device:  # skipped on the device if not finite: no wait before the update
-                self.optimizer.found_inf = (~finite).float()  # (set before each of its steps)
+            if self.on_device():  # skipped on the device if not finite: no wait before the update
+                self.optimizer.found_inf = (~finite).float()
                 self.optimizer.step()
+                del self.optimizer.found_inf  # (this step's only, as GradScaler's)
             elif finite:  # (the host waits)
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

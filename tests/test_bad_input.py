@@ -246,7 +246,8 @@ def test_a_bad_batch_is_an_input_error_not_an_engine_fault():
                'ane': hg.EagerEngine(cfg, cpu, torch.float32, hg.LossScaler(1.0, 0, enabled=False))}
     step = hg.HeteroStep(model, engines, hg.Split(2, '0.5'))
     good = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
-    for bad in ((torch.full((1, 8), 16), good[1]), (good[0], torch.full((1, 8), -1)), (good[0], good[1][:, :4])):
+    for bad in ((torch.full((1, 8), 16), good[1]), (good[0], torch.full((1, 8), -1)), (good[0], good[1][:, :4]),
+                (torch.full((1, 8), float('nan')), good[1])):  # (NaN passes any comparison of bounds)
         with pytest.raises(hg.UserError, match='no valid input'):
             step([good, bad])
         assert step.alive == {'gpu', 'ane'} and step.dropped == {'gpu': 0, 'ane': 0}

@@ -530,7 +530,39 @@ def test_a_lone_gpu_step_is_not_waited_for_and_skips_a_nonfinite_update(fused):
     assert step.skipped == 1 and step.dropped['gpu'] == 1 and eng['gpu'].scaler.scale == 512.0
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
     assert bool(opt.state) == fused and all(int(s['step']) == 0 for s in opt.state.values())  # (fused: taken back)
+    assert not hasattr(opt, 'found_inf')  # (that step's only: a later opt.step() of its own would skip by it)
     value['v'] = 1.0
     out = step.update(step(microbatches(2)))
     assert out['n'] == 2 and out['loss'] == 2.0 and step.skipped == 1 and out['results']['gpu']['seconds'] > 0
     assert not any(torch.equal(p, before[k]) for k, p in model.named_parameters())
+
+
+def test_an_optimizer_resumed_unfused_is_checked_on_the_host():
+    # a checkpoint of an AdamW that was not fused brings back its groups' fused=False (torch's
+    # Optimizer.load_state_dict keeps the saved groups); that AdamW takes no found_inf, so the
+    # host reads the flag: a NaN step leaves the weights alone, a finite one moves them
+    model, value = tiny_model(), {'v': float('nan')}
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    opt.load_state_dict(torch.optim.AdamW(model.parameters(), fused=False).state_dict())
+    eng = {'gpu': FakeEngine('gpu', 0, lambda idx: {k: torch.full_like(p, value['v'])
+                                                    for k, p in model.named_parameters()})}
+    step = hg.HeteroStep(model, eng, hg.Split(2, '0'), optimizer=opt)
+    assert not step.on_device()
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    assert step.update(step(microbatches(2)))['n'] == 0 and step.dropped['gpu'] == 1
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+    value['v'] = 1.0
+    assert step.update(step(microbatches(2)))['n'] == 2
+    assert not any(torch.equal(p, before[k]) for k, p in model.named_parameters())
+
+
+def test_the_autograd_engine_leaves_the_model_without_gradients():
+    # its gradients are the caller's: none stay on the model to outlive the call (at the next
+    # forward's peak they would be one more set), and a second call adds nothing to the first
+    model = tiny_model()
+    engine = hg.AutogradEngine(model, torch.device('cpu'), torch.float32)
+    (x, y), = microbatches(1)
+    _, first = engine.loss_and_grads(x, y)
+    assert all(p.grad is None for p in model.parameters())
+    _, second = engine.loss_and_grads(x, y)
+    assert all(torch.equal(first[k], second[k]) for k in first) and first.keys() == dict(model.named_parameters()).keys()
