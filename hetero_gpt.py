@@ -876,8 +876,7 @@ class EagerEngine(Engine):
 
     def __init__(self, cfg, device, dtype, scaler):
         self.cfg, self.device, self.dtype, self.scaler = cfg, device, dtype, scaler
-        self.ops = TorchOps(dtype, device)
-        self.w = None
+        self.ops, self.w = TorchOps(dtype, device), None
         self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
 
     @torch.no_grad()
@@ -925,8 +924,7 @@ class Split:
         self.sec, self.steps = {}, 0  # engine name -> smoothed seconds per microbatch; steps assigned
         self.step_sec = {}  # a whole step's, per microbatch: 'alone' (the GPU engine with all n), 'both'
 
-    def current(self, alive):
-        """The ANE's share of the microbatches, given which engines are alive."""
+    def current(self, alive):  # the ANE's share of the microbatches, given which engines are alive
         return 0 if alive == {'gpu'} else self.n if alive == {'ane'} else self.k
 
     def assign(self, alive):
@@ -1006,15 +1004,13 @@ class HeteroStep:
         # one long-lived thread per engine: CUDA sets up each new one
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
-        self.skipped = 0  # steps with no usable gradient at all (no update)
-        self.master = next(iter(self.params.values()))
+        self.skipped, self.master = 0, next(iter(self.params.values()))  # steps with no update; the first weight
 
     def on_device(self):
-        """Whether fused AdamW keeps a non-finite gradient from the weights on the device, by `found_inf` (the flag
-        GradScaler hands it: torch/amp/grad_scaler.py, step): CUDA's and the CPU's do, MPS's not (coreml_and_ane.md
-        section 6). Else (and if not fused, as a resumed run's may be) the host reads the flags first."""
+        """Whether fused AdamW keeps a non-finite gradient from the weights on the device: by `found_inf` (as GradScaler
+        hands it, torch/amp/grad_scaler.py), CUDA's and the CPU's do, MPS's not (coreml_and_ane.md section 6)."""
         groups = self.optimizer.param_groups if self.optimizer else []
-        return self.master.device.type in ('cuda', 'cpu') and all(g.get('fused') for g in groups)
+        return self.master.device.type in ('cuda', 'cpu') and bool(groups) and all(g.get('fused') for g in groups)
 
     def check(self, microbatches):  # a batch the model cannot take: bad data, not a faulty engine
         try:
@@ -1095,8 +1091,9 @@ class HeteroStep:
         self.dropped[name] += not finite
 
     def update(self, out, grad_clip=0.0):
-        """The step's one AdamW update from the mean gradient (clipped to norm grad_clip when > 0),
-        if any is usable and (on the device) finite; then a pending engine settled, the gradients freed."""
+        """The step's one AdamW update from the mean gradient (clipped to norm grad_clip when > 0), if any is
+        usable and finite; then the host reads whether it was (a pending engine's flag), and the gradients are freed."""
+        finite = True
         if out['n']:
             # the gradients' norm, read once on the device: the clip's, and not finite if any value is not
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params.values()])
@@ -1109,14 +1106,17 @@ class HeteroStep:
                 del self.optimizer.found_inf  # (this step's only, as GradScaler's)
             elif finite:  # (the host waits)
                 self.optimizer.step()
+            finite = bool(finite)  # the update is queued: now the host reads it, as run_engine's wait
         self.optimizer.zero_grad(set_to_none=True)
         for name, r in out['results'].items():  # the sums are in p.grad or freed
             r.pop('grads', None)
-            if 'seconds' not in r:  # the update is queued: now the host reads it, as run_engine's wait
-                r |= dict(loss=float(r['loss']), finite=bool(finite), seconds=time.perf_counter() - r['t0'])
-                self._count(name, r['finite'])
-                self.skipped += not r['finite']
-                out |= dict(loss=r['loss'] / r['n']) if r['finite'] else dict(loss=float('nan'), n=0, used=[])
+            if 'seconds' not in r:  # a pending engine's flag: the step's
+                r |= dict(loss=float(r['loss']), finite=finite, seconds=time.perf_counter() - r['t0'])
+                self._count(name, finite)
+        if not finite:  # a pending engine's gradient, or (every flag read finite) their sum past fp32's range
+            self.skipped += 1
+            out |= dict(loss=float('nan'), n=0, used=[])
+        out['loss'] = float(out['loss'])  # (a pending engine's: a tensor until now)
         if out.get('both'):  # the whole step's time, both engines up: for the auto split
             self.split.observe_step(out['k'], max(r['seconds'] for r in out['results'].values()) / self.split.n)
         return out

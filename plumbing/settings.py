@@ -28,8 +28,8 @@ def check_batch(cfg, idx, targets):
         raise ValueError(f"idx and targets must both be (B, T); got {tuple(idx.shape)} and {tuple(targets.shape)}")
     if idx.shape[1] > cfg.block_size:
         raise ValueError(f"sequence length {idx.shape[1]} is longer than block_size {cfg.block_size}")
-    if idx.dtype.is_floating_point or targets.dtype.is_floating_point or idx.device != targets.device:
-        raise ValueError(f"idx and targets must be integer token ids on one device; got {idx.dtype} on {idx.device} "
+    if idx.dtype != torch.long or targets.dtype != torch.long or idx.device != targets.device:
+        raise ValueError(f"idx and targets must be int64 token ids on one device; got {idx.dtype} on {idx.device} "
                          f"and {targets.dtype} on {targets.device}")
     if idx.numel():  # the four bounds read at once: one wait where the batch is on a device
         bounds = torch.stack([idx.min(), idx.max(), targets.min(), targets.max()]).tolist()

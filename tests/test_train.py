@@ -566,3 +566,24 @@ def test_the_autograd_engine_leaves_the_model_without_gradients():
     assert all(p.grad is None for p in model.parameters())
     _, second = engine.loss_and_grads(x, y)
     assert all(torch.equal(first[k], second[k]) for k in first) and first.keys() == dict(model.named_parameters()).keys()
+
+
+@pytest.mark.parametrize('fused', [True, False])
+def test_an_update_whose_check_fails_after_every_flag_passed_is_skipped_and_counted(fused):
+    # each engine's flag (a norm per tensor) is finite: two tensors with one value of 1.5e19 each.
+    # The update's check, the norm of all of them, is not: 1.5e19^2 * 2 = 4.5e38 is past fp32's
+    # 3.4e38. No engine is dropped; the update is skipped (on the device, or by the host), counted
+    model = tiny_model()
+
+    def grads(idx):
+        g = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
+        for t in list(g.values())[:2]:
+            t.view(-1)[0] = 1.5e19
+        return g
+    eng = {n: FakeEngine(n, 0, grads) for n in ('gpu', 'ane')}
+    step = hg.HeteroStep(model, eng, hg.Split(2, '0.5'), optimizer=torch.optim.AdamW(model.parameters(), fused=fused))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    out = step.update(step(microbatches(2)))
+    assert out['n'] == 0 and out['used'] == [] and math.isnan(out['loss'])
+    assert step.skipped == 1 and step.dropped == {'gpu': 0, 'ane': 0}
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
