@@ -511,16 +511,21 @@ def test_padded_lm_head_under_autocast_is_gpt2s():
         assert ga[k].dtype == torch.float32 and cos >= 0.9999, (k, cos)
 
 
-@pytest.mark.parametrize('fused', [True, False])
-def test_a_lone_gpu_step_is_not_waited_for_and_skips_a_nonfinite_update(fused):
+@pytest.mark.parametrize('kind', ['fused', 'unfused', 'resumed unfused'])
+def test_a_lone_gpu_step_is_not_waited_for_and_skips_a_nonfinite_update(kind):
     # the GPU engine alone, fused AdamW (make_optimizer's): its flag stays on the device until the
-    # update is queued, and AdamW skips by it. Another optimizer: the host reads the flag first.
-    # Either way a non-finite gradient never reaches the weights; the counters and loss scale follow
-    model, value = tiny_model(), {'v': float('nan')}
+    # update is queued, and AdamW skips by it. Another optimizer: the host reads the flag first,
+    # as for a fused AdamW resumed from an unfused one's checkpoint (torch's load_state_dict keeps
+    # the saved groups' fused=False; such an AdamW takes no found_inf). Either way a non-finite
+    # gradient never reaches the weights; the counters and loss scale follow
+    model, value, fused = tiny_model(), {'v': float('nan')}, kind == 'fused'
     eng = {'gpu': FakeEngine('gpu', 0, lambda idx: {k: torch.full_like(p, value['v'])
                                                     for k, p in model.named_parameters()})}
-    opt = torch.optim.AdamW(model.parameters(), fused=fused)
+    opt = torch.optim.AdamW(model.parameters(), fused=kind != 'unfused')
+    if kind == 'resumed unfused':
+        opt.load_state_dict(torch.optim.AdamW(model.parameters(), fused=False).state_dict())
     step = hg.HeteroStep(model, eng, hg.Split(2, '0'), optimizer=opt)
+    assert step.on_device() == fused
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     out = step(microbatches(2))
     assert out['used'] == (['gpu'] if fused else [])
@@ -534,25 +539,6 @@ def test_a_lone_gpu_step_is_not_waited_for_and_skips_a_nonfinite_update(fused):
     value['v'] = 1.0
     out = step.update(step(microbatches(2)))
     assert out['n'] == 2 and out['loss'] == 2.0 and step.skipped == 1 and out['results']['gpu']['seconds'] > 0
-    assert not any(torch.equal(p, before[k]) for k, p in model.named_parameters())
-
-
-def test_an_optimizer_resumed_unfused_is_checked_on_the_host():
-    # a checkpoint of an AdamW that was not fused brings back its groups' fused=False (torch's
-    # Optimizer.load_state_dict keeps the saved groups); that AdamW takes no found_inf, so the
-    # host reads the flag: a NaN step leaves the weights alone, a finite one moves them
-    model, value = tiny_model(), {'v': float('nan')}
-    opt = torch.optim.AdamW(model.parameters(), fused=True)
-    opt.load_state_dict(torch.optim.AdamW(model.parameters(), fused=False).state_dict())
-    eng = {'gpu': FakeEngine('gpu', 0, lambda idx: {k: torch.full_like(p, value['v'])
-                                                    for k, p in model.named_parameters()})}
-    step = hg.HeteroStep(model, eng, hg.Split(2, '0'), optimizer=opt)
-    assert not step.on_device()
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    assert step.update(step(microbatches(2)))['n'] == 0 and step.dropped['gpu'] == 1
-    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
-    value['v'] = 1.0
-    assert step.update(step(microbatches(2)))['n'] == 2
     assert not any(torch.equal(p, before[k]) for k, p in model.named_parameters())
 
 
