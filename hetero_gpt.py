@@ -1233,8 +1233,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         else:
             engines['ane'] = EagerEngine(model.config, ane_dev, ane_dtype, scaler)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
-                # leave one core to the thread that launches the GPU's kernels
-                torch.set_num_threads(worker.share_cores(gpu_on_cpu=False))
+                worker.share_cores(gpu_on_cpu=False)  # one core left to the thread that launches the GPU's kernels
         if not ON_MAC:
             log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
     return engines

@@ -120,10 +120,11 @@ CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per cor
 
 def share_cores(gpu_on_cpu):
     """The worker's CPU threads: all cores but one for the thread that feeds the GPU, or half
-    of them when the GPU engine is on the CPU too (this process then keeps the other half)."""
+    of them when the GPU engine is on the CPU too (this process then keeps the other half). Else this
+    process's own CPU work (the copy of the worker's gradients, while the worker waits) takes as many: one
+    per core would leave the thread that shares the feeding thread's core last (benchmarks/RESULTS.md, 15)."""
     threads = max(1, CPU_THREADS // 2 if gpu_on_cpu else CPU_THREADS - 1)
-    if gpu_on_cpu:
-        torch.set_num_threads(max(1, CPU_THREADS - threads))
+    torch.set_num_threads(max(1, CPU_THREADS - threads) if gpu_on_cpu else threads)
     return threads
 
 

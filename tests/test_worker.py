@@ -223,6 +223,18 @@ def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
     assert engines['ane'].proc is None
 
 
+@pytest.mark.parametrize('gpu_on_cpu', [False, True])
+def test_the_cores_are_shared_with_the_thread_that_feeds_the_gpu(gpu_on_cpu, monkeypatch):
+    # 16 cores: the worker gets all but the feeding thread's one, and this process as many for its copy
+    # (the worker waits meanwhile); with the GPU engine on the CPU too, each process half
+    before = torch.get_num_threads()
+    monkeypatch.setattr(plumbing_worker, 'CPU_THREADS', 16)
+    try:
+        assert (plumbing_worker.share_cores(gpu_on_cpu), torch.get_num_threads()) == ((8, 8) if gpu_on_cpu else (15, 15))
+    finally:
+        torch.set_num_threads(before)
+
+
 KILLED = """
 import os, sys, time, hetero_gpt as hg, test_worker as t
 from plumbing import worker
