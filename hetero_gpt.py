@@ -1092,7 +1092,7 @@ class HeteroStep:
 
     def update(self, out, grad_clip=0.0):
         """The step's one AdamW update from the mean gradient (clipped to norm grad_clip when > 0), if any is
-        usable and finite; then the host reads whether it was (a pending engine's flag), and the gradients are freed."""
+        usable and finite; the gradients are freed, then the host reads whether it was (a pending engine's flag)."""
         finite = True
         if out['n']:
             # the gradients' norm, read once on the device: the clip's, and not finite if any value is not
@@ -1106,10 +1106,11 @@ class HeteroStep:
                 del self.optimizer.found_inf  # (this step's only, as GradScaler's)
             elif finite:  # (the host waits)
                 self.optimizer.step()
-            finite = bool(finite)  # the update is queued: now the host reads it, as run_engine's wait
-        self.optimizer.zero_grad(set_to_none=True)
-        for name, r in out['results'].items():  # the sums are in p.grad or freed
+        self.optimizer.zero_grad(set_to_none=True)  # the gradients freed while the update runs (their memory is
+        for r in out['results'].values():  # reused only after it, in the device's order): no idle device for it
             r.pop('grads', None)
+        finite = bool(finite)  # the update is queued: now the host reads it, as run_engine's wait
+        for name, r in out['results'].items():
             if 'seconds' not in r:  # a pending engine's flag: the step's
                 r |= dict(loss=float(r['loss']), finite=finite, seconds=time.perf_counter() - r['t0'])
                 self._count(name, finite)
