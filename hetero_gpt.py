@@ -1106,8 +1106,8 @@ class HeteroStep:
                 del self.optimizer.found_inf  # (this step's only, as GradScaler's)
             elif finite:  # (the host waits)
                 self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # the gradients freed while the update runs (their memory is
-        for r in out['results'].values():  # reused only after it, in the device's order): no idle device for it
+        self.optimizer.zero_grad(set_to_none=True)  # freed while the update runs: the allocator reuses memory in
+        for r in out['results'].values():  # its stream's order (an engine's own stream waits on this one first)
             r.pop('grads', None)
         finite = bool(finite)  # the update is queued: now the host reads it, as run_engine's wait
         for name, r in out['results'].items():

@@ -377,7 +377,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     gpu = hg.AutogradEngine(model, device, dtype)
     run = hg.Config(**dataclasses.asdict(cfg), batch_size=ane_microbatch, ane_batch_size=ane_batch,
                     ane_programs=program_dir or '')
-    cores = worker.share_cores(gpu_on_cpu=False)  # (this process's threads, as training sets them)
+    cores = worker.share_cores(gpu_on_cpu=device.type == 'cpu')  # (this process's threads, as training sets them)
     spec = hg.ane_spec(run, getattr(torch, ane_dtype)) | dict(threads=threads or cores)
     w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
     rand = lambda b: tuple(torch.randint(0, cfg.vocab_size, (b, cfg.block_size)) for _ in range(2))
