@@ -173,6 +173,7 @@ def ckpt_intact_and_resumable(data_dir, out_dir):
     one_process(data_dir, out_dir, '--max_iters', str(ck['iter_num'] + 2), '--resume')
 
 
+@pytest.mark.slow  # (torchrun's agent and a resumed run: 10 s; the ranks' start is in the default run)
 @pytest.mark.skipif(not os.path.isdir('/proc'), reason="finds the rank's process in /proc")
 def test_killed_rank_is_named_by_the_others(data_dir, tmp_path):
     # under torchrun: rank 1 is killed; the agent stops rank 0 (SIGTERM), which says which rank stopped

@@ -24,6 +24,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # (torch.compile on the CPU: 6 s)
 def test_compiled_derivation_matches_autograd():
     # --compile runs the same derivation through torch.compile (standin.CompiledOps): fused
     # kernels reorder fp32 sums, so it is held to the fp32 bound against fp64 autograd.
