@@ -15,12 +15,12 @@ of it that is the copy of the gradients out of shared memory.
 import argparse
 import dataclasses
 import os
-import time
 
 import numpy as np
 import torch
 
 import hetero_gpt as hg
+from benchmarks import copy_threads
 from plumbing import settings, worker
 from tools import ane_check
 
@@ -51,13 +51,7 @@ def main():
               f"{100 * r[name + '_alone_spread']:.1f}%)")
     nbytes = 4 * sum(p.numel() for n, p in hg.gpt_param_shapes(cfg).items() if n != 'lm_head.weight')
     src = np.ones(nbytes // 4, np.float32)
-    copy = 0.0
-    for _ in range(5):  # as WorkerEngine.loss_and_grads copies them: into memory faulted in before the answer
-        dst = np.empty_like(src)
-        dst.fill(0)
-        t0 = time.perf_counter()
-        torch.from_numpy(dst).copy_(torch.from_numpy(src))
-        copy += (time.perf_counter() - t0) / 5
+    copy = sum(copy_threads.copy_ms(src) for _ in range(5)) / 5 / 1e3  # seconds, the mean of 5
     print(f"copying {nbytes / 2**20:.0f} MiB of gradients out of shared memory: {copy * 1e3:.2f} ms "
           f"({nbytes / copy / 1e9:.1f} GB/s)")
     alone, beside = r['exchange_alone'], r['exchange_beside']
