@@ -13,7 +13,8 @@ from plumbing import checkpoints
 
 BASE = ['--dataset', 'tiny', '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16',
         '--batch_size', '2', '--gradient_accumulation_steps', '2', '--eval_iters', '1', '--log_interval', '1',
-        '--quiet', '--sample_tokens', '0', '--mode', 'hetero', '--ane_worker', 'false']
+        '--quiet', '--sample_tokens', '0', '--mode', 'hetero', '--ane_worker', 'false',
+        '--ane_fraction', '0.5']  # (a fixed split: an auto one follows timings, so two runs' rows could differ)
 
 
 def ckpt(step):
