@@ -14,13 +14,14 @@ import numpy as np
 import torch
 
 
-def copy_ms(src, threads=None):
+def copy_ms(src, numpy=False):
     """One copy of src, as WorkerEngine.loss_and_grads copies the gradients: into memory faulted in first
-    (while the worker computes), by PyTorch's copy_ on its threads, or by NumPy's copyto (one thread)."""
+    (while the worker computes), by PyTorch's copy_ on its threads (torch.set_num_threads), or with numpy
+    by NumPy's copyto (one thread)."""
     dst = np.empty_like(src)
     dst.fill(0)
     t0 = time.perf_counter()
-    if threads == 'numpy':
+    if numpy:
         np.copyto(dst, src)
     else:
         torch.from_numpy(dst).copy_(torch.from_numpy(src))
@@ -50,7 +51,7 @@ def main():
         for n in counts:
             if n != 'numpy':
                 torch.set_num_threads(n)
-            ts = [copy_ms(src, n) for _ in range(9)]
+            ts = [copy_ms(src, numpy=n == 'numpy') for _ in range(9)]
             print(f"{'beside a launching thread' if beside else 'alone':26} {n!s:>5} threads: "
                   f"{statistics.median(ts):7.2f} ({min(ts):.2f}-{max(ts):.2f})", flush=True)
         if beside:
