@@ -10,7 +10,6 @@ import time
 import torch
 
 import hetero_gpt as hg
-import test_grads as tg  # defines: cosine, rel_err, autograd_reference, TOL, FP16_MIN_COSINE
 
 # ---- tiny runs of the trainer
 
@@ -128,8 +127,3 @@ def autograd_fp64(model, idx, targets):
     _, loss = ref(idx, targets)
     loss.backward()
     return loss.item(), {k: p.grad for k, p in ref.named_parameters()}
-
-
-def cosines(grads, ref):
-    """{name: cosine of grads[name] and ref[name]} (test_grads.cosine, in fp64)."""
-    return {k: tg.cosine(grads[k], r) for k, r in ref.items()}

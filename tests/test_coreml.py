@@ -12,7 +12,7 @@ import export_ane
 import hetero_gpt as hg
 import helpers
 from plumbing import programs as coreml_programs
-from tools import ane_check
+from tools import ane_check, gradcheck
 
 pytest.importorskip('coremltools')  # (the machines that lend a GPU may not have it)
 
@@ -43,15 +43,12 @@ def reference(seed=0, b=B):
     return model, idx, targets, loss
 
 
-def cosines(grads, model):
-    return helpers.cosines(grads, model.grads)
-
-
 @pytest.mark.parametrize('kind', ['pieces', pytest.param('step', marks=pytest.mark.slow)])
 def test_saved_programs_match_autograd(request, kind):
     # fp16 programs (unit roundoff 4.9e-4): the loss, a mean of log-sum-exps of ~10, within
-    # 1e-2 relative; gradients compared by direction (cosine >= 0.999), all finite.
-    # The engine's microbatch is 3 sequences; it takes 6 as two calls, the mean of the two.
+    # 1e-2 relative; every gradient, and each q/k/v third of c_attn, by direction and size
+    # (gradcheck's fp16 bounds), all finite. The engine's microbatch is 3 sequences; it takes 6
+    # as two calls, the mean of the two (their sum would be twice the norm).
     model, idx, targets, ref_loss = reference(b=2 * B)
     path = request.getfixturevalue('package')['pieces'] if kind == 'pieces' else request.getfixturevalue('whole_step')[0]
     engine = export_ane.open_programs(path, scaler=hg.LossScaler(1024.0, 0))
@@ -61,7 +58,7 @@ def test_saved_programs_match_autograd(request, kind):
     assert abs(loss.item() - ref_loss) / ref_loss < 1e-2
     assert hg.grads_finite(grads)
     assert {k: g.shape for k, g in grads.items()} == {k: p.shape for k, p in model.named_parameters()}
-    assert min(cosines(grads, model).values()) >= 0.999, cosines(grads, model)
+    assert not (bad := gradcheck.check(grads, model.grads, torch.float16)), bad
 
 
 def test_programs_are_ane_shaped(package):
@@ -265,7 +262,7 @@ def test_a_folder_of_the_whole_step_is_taken_if_named(whole_step):
 
 def test_programs_without_biases(exported):
     # nanoGPT's bias=False: the programs have no bias inputs or outputs, and their fp16
-    # gradients point where fp64 autograd's do (cosine >= 0.999, as above)
+    # gradients are fp64 autograd's to fp16 rounding (gradcheck's bounds, as above)
     cfg = hg.GPTConfig(block_size=8, vocab_size=300, n_layer=2, n_head=2, n_embd=16, bias=False)
     path = exported(cfg, 2, 5)
     names = {k for p in hg.ANE_PIECES for k in hg.piece_input_shapes(cfg, 2, 5, p)}
@@ -280,4 +277,4 @@ def test_programs_without_biases(exported):
     l, grads = engine.loss_and_grads(idx, targets)
     assert abs(l.item() - loss) / loss < 1e-2
     assert set(grads) == {k for k, _ in model.named_parameters()}
-    assert min(helpers.cosines(grads, ref).values()) >= 0.999
+    assert not (bad := gradcheck.check(grads, ref, torch.float16)), bad
