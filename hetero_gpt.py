@@ -1093,7 +1093,7 @@ class HeteroStep:
     def update(self, out, grad_clip=0.0):
         """The step's one AdamW update from the mean gradient (clipped to norm grad_clip when > 0), if any is
         usable and finite; the gradients are freed, then the host reads whether it was (a pending engine's flag)."""
-        finite = True
+        finite, norm = True, math.nan  # (no usable gradient: no norm)
         if out['n']:
             # the gradients' norm, read once on the device: the clip's, and not finite if any value is not
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params.values()])
@@ -1117,7 +1117,7 @@ class HeteroStep:
         if not finite:  # a pending engine's gradient, or (every flag read finite) their sum past fp32's range
             self.skipped += 1
             out |= dict(loss=float('nan'), n=0, used=[])
-        out['loss'] = float(out['loss'])  # (a pending engine's: a tensor until now)
+        out |= dict(loss=float(out['loss']), grad_norm=float(norm))  # (the loss: a tensor until now; the norm unclipped)
         if out.get('both'):  # the whole step's time, both engines up: for the auto split
             self.split.observe_step(out['k'], max(r['seconds'] for r in out['results'].values()) / self.split.n)
         return out
@@ -1319,7 +1319,7 @@ def train(cfg, given=frozenset()):
             if it % cfg.log_interval == 0 or it == cfg.max_iters:
                 dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
                 row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
-                           elapsed=elapsed, mode=cfg.mode)
+                           elapsed=elapsed, mode=cfg.mode, grad_norm=out['grad_norm'])
                 own = dict(ane_microbatches=out['k'], microbatches=split.n,
                            dropped=dict(step.dropped), skipped=step.skipped)  # this rank's
                 for n, r in out['results'].items():

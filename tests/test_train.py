@@ -105,18 +105,31 @@ def test_timed_evaluations(data_dir, tmp_path, ctrl_c, monkeypatch):
 
 @pytest.mark.parametrize('bias', ['True', 'False'])
 def test_hetero_fp32_matches_gpu_only(data_dir, tmp_path, bias):
-    # eager engine in fp32 taking half of every step vs autograd alone: same batches, and
-    # losses within fp32 rounding (1e-7 relative per op, grown over 10 AdamW steps: 1e-4);
+    # eager engine in fp32 taking half of every step vs autograd alone: same batches, so the
+    # same mean gradient, whose norm each row logs before clipping (grad_norm), a check on
+    # what the step averages that AdamW's scale-free update cannot hide. fp32 rounding: 1e-7
+    # relative per op, grown over 10 AdamW steps: 1e-4 for losses and norms alike.
     # GPT-2's biases and nanoGPT's bias=False alike
-    _, gpu = helpers.train(data_dir, tmp_path / 'g', max_iters=10, mode='gpu', bias=bias)
+    _, gpu = helpers.train(data_dir, tmp_path / 'g', max_iters=10, mode='gpu', bias=bias, log_interval=1)
     _, het = helpers.train(data_dir, tmp_path / 'h', max_iters=10, mode='hetero', ane_dtype='float32',
-                           ane_fraction=0.5, bias=bias)
-    assert het[-1]['ane_microbatches'] == 1 and het[-1]['ane_loss'] > 0 and het[-1]['gpu_loss'] > 0
-    assert len(gpu) == len(het) == 2
-    for g, h in zip(gpu, het):
+                           ane_fraction=0.5, bias=bias, log_interval=1)
+    assert [r['ane_microbatches'] for r in het] == [1] * 10 and [r['step'] for r in gpu] == list(range(1, 11))
+    for g, h in zip(gpu, het, strict=True):
         assert abs(g['loss'] - h['loss']) < 1e-4 * g['loss'], (g, h)
+        assert abs(g['grad_norm'] - h['grad_norm']) < 1e-4 * g['grad_norm'], (g, h)
+        # each engine's own mean loss: microbatch 0 on the ANE, 1 on the GPU; their mean is the step's
+        assert abs((h['ane_loss'] + h['gpu_loss']) / 2 - h['loss']) < 1e-6 * h['loss'] and h['ane_loss'] != h['gpu_loss']
     assert abs(gpu[-1]['val_loss'] - het[-1]['val_loss']) < 1e-4 * gpu[-1]['val_loss']
-    assert gpu[-1]['loss'] != het[-1]['gpu_loss']  # (the GPU's half alone is another mean)
+
+
+def test_grad_norm_is_the_mean_gradients_before_clipping():
+    # every gradient element 1 (norm sqrt(P) over P elements), from both engines, clipped to
+    # 0.5: the row's grad_norm is the mean's norm, sqrt(P), not the clipped 0.5 (fp32: 1e-6)
+    model = tiny_model()
+    eng = {n: FakeEngine(n, 0, const_grads(model, 1.0)) for n in ('gpu', 'ane')}
+    step = hg.HeteroStep(model, eng, hg.Split(4, '0.5'), optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    out = step.update(step(microbatches(4)), grad_clip=0.5)
+    assert out['grad_norm'] == pytest.approx(sum(p.numel() for p in model.parameters()) ** 0.5, rel=1e-6)
 
 
 def test_fp16_autograd_engine_scales_its_loss():
