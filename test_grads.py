@@ -61,6 +61,10 @@ def rel_err(a, ref):
     return ((a.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-300)).item()
 
 
+def cosine(a, ref):  # of two tensors in fp64 (one number of what gradcheck judges)
+    return F.cosine_similarity(a.double().flatten(), ref.double().flatten(), dim=0).item()
+
+
 def autograd_reference(cfg, B, T, seed=0):
     """A GPT in fp64, its parameters, a batch, and autograd's loss and gradients."""
     torch.manual_seed(seed)

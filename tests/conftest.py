@@ -1,10 +1,20 @@
 """Shared fixtures: a tiny text data set and Tiny Shakespeare (offline), prepared once per test
 run; Core ML programs exported once per shape; Ctrl-C at a chosen step."""
+import importlib.util
 import urllib.error
 
 import pytest
 
 import prepare_data
+
+
+def pytest_configure(config):
+    """A test requirement that is missing fails the run at once, in one line (only hardware the
+    machine lacks, a CUDA GPU, is skipped)."""
+    missing = [m for m in ('coremltools', 'transformers') if importlib.util.find_spec(m) is None]  # (not imported)
+    if missing:
+        pytest.exit(f"error: the tests need {' and '.join(missing)}: install what README's test command does, "
+                    "pip install -r requirements.txt pytest transformers", returncode=2)
 
 
 @pytest.fixture(scope='session')

@@ -3,6 +3,7 @@ by programs.numpy_predict(prog, ane=True): reduce_sum accumulating in fp16, matm
 saturation instead of inf. fp16: unit roundoff u = 2^-11 = 4.9e-4, largest value 65504."""
 import copy
 
+import coremltools  # noqa: F401  (a test requirement: requirements.txt)
 import numpy as np
 import pytest
 import torch
@@ -13,8 +14,6 @@ import helpers
 from plumbing import programs
 from plumbing import settings
 from test_grads import cosine  # fp64 cosine of two tensors
-
-pytest.importorskip('coremltools')  # (the machines that lend a GPU may not have it)
 
 U = 2.0 ** -11
 

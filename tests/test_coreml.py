@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+import coremltools  # noqa: F401  (a test requirement: requirements.txt)
 import numpy as np
 import pytest
 import torch
@@ -13,8 +14,6 @@ import hetero_gpt as hg
 import helpers
 from plumbing import programs as coreml_programs
 from tools import ane_check, gradcheck
-
-pytest.importorskip('coremltools')  # (the machines that lend a GPU may not have it)
 
 # vocabulary 20000 > 16384: two chunks; T = 7: not a power of two; 4 heads
 CFG = hg.GPTConfig(block_size=16, vocab_size=20000, n_layer=2, n_head=4, n_embd=32)

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 import torch
+import transformers  # a test requirement (README's test command installs it)
 
 import hetero_gpt as hg
 import prepare_data
 from plumbing import pretrained
 from plumbing.settings import UserError
 
-transformers = pytest.importorskip('transformers')  # a test requirement (README's test command installs it)
 HF_SIZE = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)  # GPT-2's vocabulary: the data's ids
 
 

@@ -19,7 +19,7 @@ from plumbing import memory
 from plumbing import programs as coreml_programs
 from plumbing import settings
 
-pytest.importorskip('coremltools')
+import coremltools  # noqa: F401  (a test requirement)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOUBLE = os.path.join(ROOT, 'tests', 'macos_double')
 # aligned as the ANE needs (multiples of 32: T, C, the head size), small enough for NumPy
