@@ -35,6 +35,13 @@ def rows(out_dir):
         return [json.loads(line) for line in f]
 
 
+def state(rows):
+    """The rows without what a run measures (its clock's rates and times, its meter's joules):
+    what two runs of the same steps must agree on."""
+    return [{k: v for k, v in r.items() if not k.endswith(('tokens_per_s', 'elapsed', 'joules_per_token'))}
+            for r in rows]
+
+
 def train(data_dir, out_dir, base=TINY, **settings):
     """hg.train in this process: (the model, its metrics rows)."""
     cfg, given = hg.parse_args(flags(data_dir, out_dir, base, **settings))

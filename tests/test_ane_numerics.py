@@ -175,8 +175,7 @@ def test_layernorm_of_rows_past_rms_256():
     rel = {name: {k: (np.abs(o[k] - ref[k].numpy()).max() / ref[k].abs().max()).item() for k in ref}
            for name, o in out.items()}
     print(f"relative errors, derivation's layernorm: {rel['old']}; MILOps': {rel['new']}")
-    assert all(np.isfinite(v).all() for v in out['old'].values())  # saturated, not inf: nothing to see
-    assert rel['old']['y'] > 1  # xhat wrong by a factor, not a rounding
+    assert rel['old']['y'] > 1  # xhat wrong by a factor, not a rounding (saturated, so finite: no inf shows it)
     assert all(e <= 8 * U for e in rel['new'].values()), rel['new']
 
 

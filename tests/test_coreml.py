@@ -71,10 +71,8 @@ def test_programs_are_ane_shaped(package):
         # fp16 in and out: 2 bytes per element of every input and output
         shapes = hg.piece_input_shapes(CFG, B, T, piece)
         assert r['bytes_in'] == 2 * sum(int(np.prod(s)) for s in shapes.values())
-        # live memory: at least the inputs and outputs, at most every tensor of the program at once
-        assert r['bytes_in'] <= r['live_bytes'] and r['bytes_out'] <= r['live_bytes']
-        # and, counted here op by op: at least what any one op reads and writes (all live at
-        # once), less than every tensor of the program (each freed after its last reader)
+        # live memory, counted here op by op: at least what any one op reads and writes (all live
+        # at once), less than every tensor of the program (each freed after its last reader)
         f = coreml_programs.load_coreml_program(coreml_programs.program_path(package['pieces'], piece)).functions['main']
         size = lambda v: 2 * int(np.prod(v.shape))
         touched = [{v.name: size(v) for v in op.outputs} | {u.name: size(u) for v in op.inputs.values()
@@ -123,8 +121,11 @@ def test_the_export_report(package, capsys):
 
 
 def test_flops_for_gpt2_124m_analytic_within_2_percent():
-    # the analytic count for GPT-2 124M at B=4, T=1024 against the usual 6*N*params + attention
+    # the analytic count for GPT-2 124M at B=4, T=1024 against the usual 6*N*params + attention:
+    # params is GPT-2 124M's count without the position table, 123.65M as nanoGPT prints it,
+    # attention 12*L*B*T^2*C (q k^T and P v, 2*2*B*T^2*C forward a layer, twice that backward)
     exact, estimate = ane_check.analytic_flops(hg.GPTConfig(), 4, 1024)
+    assert estimate == 6 * 4 * 1024 * 123_653_376 + 12 * 12 * 4 * 1024 ** 2 * 768
     assert abs(exact / estimate - 1) < 0.02
 
 
