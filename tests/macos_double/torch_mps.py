@@ -11,6 +11,8 @@ What it imitates, and where PyTorch says so:
   MPS branch in torch/optim/adam.py refuses found_inf and grad_scale); its values live in a CPU
   tensor. Ops run in stream order: a queued host-to-device copy lands before the next op, and
   reading a value back (.item(), .cpu(), torch.mps.synchronize) waits for the stream.
+- Fused Adam and AdamW on MPS ignore found_inf and update anyway (docs/coreml_and_ane.md
+  section 6, pytorch PR #186360).
 - Mixing an 'mps' tensor with a CPU tensor of one or more dimensions is refused, as
   "Expected all tensors to be on the same device" (0-dim CPU tensors pass as scalars).
 - torch.mps.synchronize, current_allocated_memory (bytes held by live tensors),
@@ -101,6 +103,8 @@ class MPSTensor(torch.Tensor):
                     _copy(dst, src, *args[2:], **kwargs)
                 return None
             _run_stream()  # every op runs after what is queued before it
+            if func in (aten._fused_adamw_.default, aten._fused_adam_.default):  # MPS's updates anyway
+                kwargs = dict(kwargs, found_inf=None)  # (coreml_and_ane.md section 6)
             if func is aten._to_copy.default and torch.device(kwargs.get('device') or MPS).type == 'cpu':
                 kwargs = dict(kwargs)
                 return args[0].inner.to(**{k: v for k, v in kwargs.items() if k != 'device'}, copy=True)
