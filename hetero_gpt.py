@@ -40,7 +40,7 @@ import prepare_data  # defines: load (checked token arrays), DataError, get_enco
 from plumbing import checkpoints  # defines: check_out_dir, resume, state, save_checkpoint, diverged, closing_sample
 from plumbing import distributed  # defines: join_ranks, rank_share, all_reduce_sum, gather, leave
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
-from plumbing import memory  # defines: preflight (refuses a run that will not fit)
+from plumbing import memory  # defines: preflight (refuses a run that will not fit), measured
 from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, numpy_programs, the ANE's limits
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
@@ -860,9 +860,9 @@ class AutogradEngine(Engine):
         self.scaler = scaler if dtype == torch.float16 and scaler else LossScaler(1.0, 0, enabled=False)
         self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
 
-    def loss_and_grads(self, idx, targets):
+    def loss_and_grads(self, idx, targets):  # non-blocking copies on CUDA only: MPS's may read freed memory
         with self.autocast:  # the forward only: backward ops take their forward's dtypes
-            _, loss = self.forward(idx.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
+            _, loss = self.forward(*(t.to(self.device, non_blocking=self.device.type == 'cuda') for t in (idx, targets)))
         self.model.zero_grad(set_to_none=True)  # (once the forward is queued: the device is busy meanwhile)
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()  # (unscaled in fp32: the master's)
         grads = {n: p.grad / self.scaler.scale if self.scaler.enabled else p.grad for n, p in self.params}
@@ -1319,7 +1319,8 @@ def train(cfg, given=frozenset()):
             if it % cfg.log_interval == 0 or it == cfg.max_iters:
                 dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
                 row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
-                           elapsed=elapsed, mode=cfg.mode, grad_norm=out['grad_norm'])
+                           elapsed=elapsed, mode=cfg.mode, grad_norm=out['grad_norm'],
+                           memory=memory.measured(device, engines.get('ane')))
                 own = dict(ane_microbatches=out['k'], microbatches=split.n,
                            dropped=dict(step.dropped), skipped=step.skipped)  # this rank's
                 for n, r in out['results'].items():

@@ -3,12 +3,17 @@ The memory a training run takes, estimated before its first step, and the prefli
 refuses a run that would not fit (on a Mac the GPU and the ANE share the host's memory).
 """
 import os
+import resource
+import subprocess
 
 import torch
 
-from .settings import UserError, ane_batch
+from .settings import ON_MAC, UserError, ane_batch
 
-RUNTIME = 2**27  # what a process running PyTorch holds beyond its tensors
+RUNTIME = 2**27  # what a process running PyTorch on the CPU holds beyond its tensors
+# A Mac's processes also load Metal and MPSGraph (the trainer) or coremltools and Core ML (the
+# ANE worker): about 0.75 GiB each, not yet measured (the self-check records it)
+MAC_RUNTIME = 3 * 2**28
 
 
 
@@ -20,35 +25,44 @@ def total_memory():
 
 def memory_estimate(cfg, mode, device, dtype, sizes):
     """Bytes each engine holds at its peak, by part; 'gpu', 'ane' and 'total' (what the host's
-    memory must hold: all of it on a Mac, whose GPU shares it).
-    GPU engine (autograd): fp32 weights, gradients and AdamW's two moments, 16 bytes a
-    parameter (and autocast's half copies of the weights); the values autograd keeps for one
-    microbatch of N = B*T tokens, 20 per token and channel and layer (the inputs of both
-    layernorms and of the four linear layers, q k v and their contiguous copies, the
-    attention output, the MLP's 4C hidden and its GELU), 4 bytes each in fp32 or ~2.2 under
-    autocast; the logits, 16 bytes each (logits, log-softmax, their gradients, fp32). On MPS
-    attention with grad takes the math path and keeps each layer's (B, H, T, T) probabilities
-    (coreml_and_ane.md section 6).
-    ANE worker: its shared memory and its own fp32 copies (weights and gradients twice, 16
-    bytes a parameter), each block's input (L + 2 rows of N C), its largest program's live
-    memory (the head's logits and softmax, fp16), and a process of its own.
+    memory must hold: all of it on a Mac, whose GPU shares it). The peak is while the
+    microbatches run: the sums of gradients (HeteroStep._combine) come after activations are freed.
+    The training process (gpu_ parts, in every mode: the master weights and AdamW live on its
+    device): fp32 weights, the step's gradient and AdamW's two moments, 16 bytes a parameter
+    (and autocast's half copies of the weights); a microbatch's own gradients while the sum is
+    alive, 4 more (run_engine); the values autograd keeps for one microbatch of N = B*T tokens,
+    20 per token and channel and layer (the inputs of both layernorms and of the four linear
+    layers, q k v and their contiguous copies, the attention output, the MLP's 4C hidden and its
+    GELU), 4 bytes each in fp32 or ~2.2 under autocast; the logits, 16 bytes each (logits,
+    log-softmax, their gradients, fp32). On MPS attention with grad takes the math path and keeps
+    each layer's (B, H, T, T) probabilities (coreml_and_ane.md section 6).
+    ANE engine: in the training process, the worker's gradients copied out, the sum and the
+    current call's (8 bytes a parameter; run_engine). In the worker, its shared memory and its own
+    fp32 copies (weights and gradients twice, 16 bytes a parameter), each block's input (L + 2 rows
+    of n C), its largest program's live memory (the head's logits and softmax, fp16) and Core ML's
+    own copies around the head's call (the embedding's chunks in fp16, 2 bytes an element; their
+    fp32 gradient twice, as Core ML converts fp16 outputs to a new fp32 array and then to NumPy:
+    10 bytes a row and channel).
+    Each process's runtime: RUNTIME, MAC_RUNTIME with Metal or Core ML.
     sizes: (the model's parameters, the tied LM head once; the vocabulary's rows, padded to
     the chunks the ANE's head program takes)."""
     P, vocab_rows = sizes
     C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
-    N, half = cfg.batch_size * cfg.block_size, dtype in (torch.float16, torch.bfloat16)
-    parts = {}
+    N, half = cfg.batch_size * cfg.block_size, dtype in (torch.float16, torch.bfloat16) and mode != 'ane'
+    parts = dict(gpu_state=16 * P + (2 * P if half else 0),
+                 gpu_runtime=MAC_RUNTIME if device.type == 'mps' else RUNTIME)
     if mode in ('gpu', 'hetero'):
-        parts['gpu_state'] = 16 * P + (2 * P if half else 0)
+        parts['gpu_microbatch_grads'] = 4 * P
         parts['gpu_activations'] = L * 20 * N * C * (2.2 if half else 4) + 16 * N * V
         if device.type == 'mps':
             parts['gpu_attention'] = (2 if half else 4) * L * N * cfg.n_head * cfg.block_size
-        parts['gpu_runtime'] = RUNTIME
     if mode in ('ane', 'hetero'):
         n = ane_batch(cfg) * cfg.block_size
+        parts['ane_host_grads'] = 8 * P
         parts['ane_buffers'] = 16 * P + 4 * (L + 2) * n * C
         parts['ane_programs'] = 2 * 2 * n * vocab_rows
-        parts['ane_runtime'] = RUNTIME
+        parts['ane_coreml_copies'] = 10 * vocab_rows * C
+        parts['ane_runtime'] = MAC_RUNTIME if ON_MAC else RUNTIME
     parts = {k: int(v) for k, v in parts.items()}
     parts['gpu'] = sum(v for k, v in parts.items() if k.startswith('gpu_'))
     parts['ane'] = sum(v for k, v in parts.items() if k.startswith('ane_'))
@@ -56,6 +70,38 @@ def memory_estimate(cfg, mode, device, dtype, sizes):
     parts['total'] = parts['ane'] + (parts['gpu'] if on_host else 0)
     return parts
 
+
+def max_rss():
+    """This process's peak resident memory, bytes. getrusage's ru_maxrss is in bytes on macOS's
+    kernel and in KiB on Linux's (getrusage(2) on each): the kernel decides, so os.uname() and
+    not sys.platform, which the tests' macOS double sets to 'darwin' over a Linux kernel."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if os.uname().sysname == 'Darwin' else peak * 1024
+
+
+def rss():
+    """This process's resident memory now, bytes: Linux's /proc; macOS has none, so ps (KiB)."""
+    try:
+        with open('/proc/self/statm') as f:
+            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+    except FileNotFoundError:
+        ps = subprocess.run(['ps', '-o', 'rss=', '-p', str(os.getpid())], capture_output=True, text=True)
+        return int(ps.stdout) * 1024
+
+
+def measured(device, ane=None, estimate=None):
+    """What a run holds, measured, beside its estimate (bytes; by default the last preflight's),
+    to calibrate memory_estimate: this process's resident memory now and at its peak, MPS's
+    (the driver's, its cache included; the tensors') and the ANE worker's peak (`ane`: the ANE
+    engine, a worker.WorkerEngine once it has answered)."""
+    estimate = estimate or preflight.estimate  # (set by the run's preflight)
+    out = dict(estimate=estimate['total'], estimate_gpu=estimate['gpu'], estimate_ane=estimate['ane'],
+               rss=rss(), max_rss=max_rss())
+    if device.type == 'mps':
+        out |= dict(mps_driver=torch.mps.driver_allocated_memory(), mps_tensors=torch.mps.current_allocated_memory())
+    if getattr(ane, 'max_rss', None) is not None:
+        out['worker_max_rss'] = ane.max_rss
+    return out
 
 
 def preflight(cfg, mode, device, dtype, sizes, log=print):
@@ -76,4 +122,5 @@ def preflight(cfg, mode, device, dtype, sizes, log=print):
     if need > 0.7 * have:
         log(f"warning: this run needs ~{need / 2**30:.1f} GiB of {have / 2**30:.1f} GiB: with other programs "
             "open it may swap; a smaller --batch_size or --ane_batch_size takes less")
+    preflight.estimate = mem  # (what measured() sets beside the run's measurements)
     return mem

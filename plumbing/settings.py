@@ -99,6 +99,8 @@ def resolve_device(name, flag='--device'):
     if name == 'auto':
         if torch.backends.mps.is_available():
             return torch.device('mps')
+        if ON_MAC and torch.backends.mps.is_built():  # not silently a small CPU run
+            raise mps_missing(name, flag)
         return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     try:
         dev = torch.device(name)
@@ -109,8 +111,17 @@ def resolve_device(name, flag='--device'):
     if dev.type == 'cuda' and (dev.index or 0) >= torch.cuda.device_count():
         raise UserError(f"{flag} {name}: PyTorch sees {torch.cuda.device_count()} CUDA GPU(s) here")
     if dev.type == 'mps' and not torch.backends.mps.is_available():
-        raise UserError(f"{flag} {name}: MPS is not available here")
+        raise mps_missing(name, flag) if ON_MAC and torch.backends.mps.is_built() else UserError(
+            f"{flag} {name}: MPS is not available here")
     return dev
+
+
+def mps_missing(name, flag):
+    """A Mac whose torch has MPS built in but cannot use it: torch 2.10 and newer need macOS 14
+    (coreml_and_ane.md section 6)."""
+    return UserError(f"{flag} {name}: MPS is not available here (torch {torch.__version__} on macOS "
+                     f"{platform.mac_ver()[0]}; torch 2.10 and newer need macOS 14 for MPS): update macOS to 14 or "
+                     "newer, or pip install 'torch<2.10', or give --device cpu for a small run on the CPU")
 
 
 def resolve_dtype(name, device, flag='--dtype'):

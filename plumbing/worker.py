@@ -31,6 +31,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from .memory import max_rss
 from .settings import ON_MAC, UserError, one_line
 
 
@@ -129,7 +130,7 @@ def share_cores(gpu_on_cpu):
 
 
 def serve(conn, names, spec, make):
-    """The worker's loop: ('run', b, loss scale, new weights?) -> ('done', loss, peak, seconds)."""
+    """The worker's loop: ('run', b, loss scale, new weights?) -> ('done', loss, peak, seconds, max_rss)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer stops the worker
     try:
         torch.set_num_threads(spec['threads'])
@@ -156,7 +157,7 @@ def serve(conn, names, spec, make):
             loss, grads = engine.loss_and_grads(*(torch.from_numpy(bufs.batch[i, :b]) for i in (0, 1)))
             for k, g in grads.items():
                 np.copyto(bufs.g[k], g.numpy())
-            conn.send(('done', float(loss), engine.scaler.peak, time.perf_counter() - t0))
+            conn.send(('done', float(loss), engine.scaler.peak, time.perf_counter() - t0, max_rss()))
         except Exception as e:
             conn.send(('error', one_line(e)))
 
@@ -175,6 +176,7 @@ class WorkerEngine:
         self.load_timeout, self.factor, self.min_timeout = load_timeout, timeout_factor, min_timeout
         self.label, self.new_weights = f"ANE worker ({spec['evaluator']})", False
         self.seconds, self.slowest = None, 0.0  # the worker's own time of the last call; the slowest a sequence
+        self.max_rss = None  # the worker's peak resident memory, bytes
         self.bufs = Buffers(spec['shapes'], spec['max_batch'], spec['T'])
         ctx = multiprocessing.get_context('spawn')
         self.conn, child = ctx.Pipe()
@@ -225,7 +227,7 @@ class WorkerEngine:
             self.close()
             raise
         timeout = max(self.min_timeout, self.factor * b * self.slowest) if self.seconds is not None else self.load_timeout
-        loss, peak, seconds = self._wait(timeout, f"computing {b} sequences")
+        loss, peak, seconds, self.max_rss = self._wait(timeout, f"computing {b} sequences")
         self.seconds, self.slowest = seconds, max(self.slowest, seconds / b)
         self.scaler.peak = max(self.scaler.peak, peak)
         # one copy of the whole block. copy_ releases the GIL while it runs (pybind11::gil_scoped_release

@@ -400,14 +400,31 @@ def test_mps_limits_refused_in_one_line():
         settings.check_mps(torch.float32, True, '2.7.1', '15.0')
 
 
-def test_memory_estimate_counts_attention_on_mps():
-    cfg = hg.Config(**hg.MAC_DEFAULTS)
-    mps = memory.memory_estimate(cfg, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(cfg))
-    cpu = memory.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg))
-    B, T, H, L = cfg.batch_size, cfg.block_size, cfg.n_head, cfg.n_layer
-    assert mps['gpu_attention'] == 4 * L * B * H * T * T  # (B, H, T, T) fp32 per layer
-    assert mps['total'] - cpu['total'] == mps['gpu_attention']
-    assert mps['total'] < 0.6 * 16 * 2**30  # the Mac's defaults fit a 16 GB Mac
+def test_memory_estimate_counts_what_attention_keeps_on_mps():
+    # MPS takes SDPA's math path with grad (coreml_and_ane.md section 6), an op that returns the
+    # (B, H, T, T) probabilities beside the output, in q's dtype (torch/_meta_registrations.py);
+    # the CPU's math path, in fp32, saves the same for the backward, beyond q, k and v (counted
+    # with the activations): each is the estimate's attention term per layer
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    B, T, H, C = 2, 64, 4, 64
+    cfg = hg.Config(n_layer=3, n_head=H, n_embd=C, block_size=T, vocab_size=96, batch_size=B)
+    per_layer = lambda dtype: memory.memory_estimate(cfg, 'gpu', torch.device('mps'), dtype,
+                                                     hg.model_sizes(cfg))['gpu_attention'] / cfg.n_layer
+    for dtype in (torch.float32, torch.float16):
+        q = torch.empty(B, H, T, C // H, dtype=dtype, device='meta')
+        _, probs = torch.ops.aten._scaled_dot_product_attention_math_for_mps(q, q, q, is_causal=True)
+        assert per_layer(dtype) == probs.numel() * probs.element_size() == B * H * T * T * dtype.itemsize
+    saved = {}
+
+    def pack(t):  # each storage once: softmax's output is also the second matmul's input
+        if t.shape == (B, H, T, T):  # (and the causal mask, (T, T): 1/(B H) of it, left out)
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with sdpa_kernel(SDPBackend.MATH), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hg.CausalSelfAttention(cfg)(torch.randn(B, T, C, requires_grad=True))
+    assert list(saved.values()) == [per_layer(torch.float32)]
+    assert 'gpu_attention' not in memory.memory_estimate(cfg, 'gpu', torch.device('cpu'), torch.float32,
+                                                          hg.model_sizes(cfg))  # (the CPU's flash path keeps none)
 
 
 def test_core_ml_errors_in_one_line():

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import hetero_gpt as hg  # defines: the model, its derivation, build_coreml_program, ane_engine
-from plumbing import memory  # defines: memory_estimate, total_memory
+from plumbing import memory  # defines: memory_estimate, total_memory, measured
 from plumbing import programs as coreml_programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
 from plumbing import settings  # defines: one_line, check_coreml, import_coremltools
 from plumbing import worker  # defines: WorkerEngine, exit_text
@@ -368,7 +368,8 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     microbatch) in this process, the worker (Core ML on a Mac, on the programs in program_dir;
     else the eager derivation; ane_microbatch sequences a call, run ane_batch at a time) in its own; each alone, then each while the other computes, in one
     run. Medians in seconds: {gpu,ane}_{alone,beside}; exchange_{alone,beside}: this side's wall
-    time per call minus the worker's own; with watts, each part's watts (powermetrics) alone."""
+    time per call minus the worker's own; with watts, each part's watts (powermetrics) alone;
+    memory: the peaks measured (memory.measured) beside the estimate."""
     import threading
     from plumbing.energy import PowermetricsMeter
     ane_microbatch = ane_microbatch or gpu_batch
@@ -422,7 +423,10 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     out = {k: float(np.median(v)) for k, v in res.items()}
     out |= {f'{k}_spread': float(np.std(v) / np.median(v)) for k, v in res.items() if k.endswith('alone')}
     out |= {f'exchange_{k}': float(np.median(v)) for k, v in exchanges.items() if k != 'warm-up'}
-    return out | power | dict(gpu_label=gpu.label, ane_label=w.label)
+    # the memory each side held, beside the estimate for a run of these sizes (to calibrate it)
+    run = hg.Config(**dataclasses.asdict(cfg), batch_size=gpu_batch, ane_batch_size=ane_batch)
+    mem = memory.measured(device, w, memory.memory_estimate(run, 'hetero', device, dtype, hg.model_sizes(run)))
+    return out | power | dict(gpu_label=gpu.label, ane_label=w.label, memory=mem)
 
 
 def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print):

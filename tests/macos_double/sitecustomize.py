@@ -10,6 +10,7 @@ since they inherit both).
 - Core ML's native runtime under coremltools: the module coremltools.libcoremlpython
   (libcoremlpython.py beside this file). coremltools' own Python runs above it unchanged.
 - powermetrics and sudo on PATH (bin/).
+- PyTorch's MPS backend, installed once torch is imported (torch_mps.py): the GPU engine on the CPU.
 
 Switches, all environment variables:
   MACOS_DOUBLE_VERSION   the macOS version (default 15.5)
@@ -21,8 +22,11 @@ Switches, all environment variables:
   MACOS_DOUBLE_SUDO      0: sudo -n has no rights
   MACOS_DOUBLE_WATTS     CPU,GPU,ANE milliwatts powermetrics reports (default 3000,9000,1500)
   MACOS_DOUBLE_LOG       a folder: the double notes compiles, loads and powermetrics there
+  MACOS_DOUBLE_MPS       0: no MPS (torch.backends.mps.is_available() False, as on Linux)
+  MACOS_DOUBLE_MPS_COPY  retain: non-blocking copies keep their source (the fixed Copy.mm)
 """
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import platform
@@ -41,6 +45,23 @@ class NativeFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+class AfterTorch(importlib.abc.MetaPathFinder):
+    """Imports torch as usual, then installs the MPS double on it (torch_mps.py)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != 'torch':
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            import torch_mps
+            torch_mps.install()
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def install():
     # Two stdlib modules load macOS-only parts when sys.platform is darwin: urllib.request
     # (_scproxy) and sysconfig (_sysconfigdata__darwin_*); load them under the real identity
@@ -55,6 +76,8 @@ def install():
         os.environ['PATH'] = bin_dir + os.pathsep + os.environ['PATH']
     if os.environ.get('MACOS_DOUBLE_NATIVE', '1') == '1':
         sys.meta_path.insert(0, NativeFinder())
+    if os.environ.get('MACOS_DOUBLE_MPS', '1') == '1':
+        sys.meta_path.insert(0, AfterTorch())
 
 
 if os.environ.get('HETERO_MACOS_DOUBLE') == '1':
