@@ -181,7 +181,7 @@ def mac_without_ane():
     except OSError:
         rosetta = False
     if rosetta:
-        return ("this Python is an x86_64 build running under Rosetta on Apple Silicon, and the Neural Engine "
+        return ("this Python is an x86_64 build running under Rosetta on Apple Silicon, and the ANE engine "
                 "needs an arm64 Python (python3 -c 'import platform; print(platform.machine())' says which)")
     return f"this Mac is {platform.mac_ver()[2]} (Intel), and the Neural Engine needs Apple Silicon"
 

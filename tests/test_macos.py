@@ -15,9 +15,11 @@ import torch
 
 import hetero_gpt as hg
 import helpers
+from plumbing import energy
 from plumbing import memory
 from plumbing import programs as coreml_programs
 from plumbing import settings
+from tools import ane_check
 
 pytest.importorskip('coremltools')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,6 +125,22 @@ def test_training_on_both_engines_through_core_ml(shakespeare, exported, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_slow_neural_engine_load_that_falls_back_to_the_cpu_shows_at_start(shakespeare, exported, tmp_path):
+    # each program's ANE compile at load takes 2 s, then Core ML runs it on the CPU without a
+    # word (coremltools #1900, #2758): training goes on, and its start line says how long the
+    # load took and that no op of any program is on the ANE
+    cwd = cwd_with_data(shakespeare, tmp_path)
+    p = programs_in(cwd, exported, TRAIN_MODEL)
+    r = train_through_core_ml(cwd, '--max_iters', '1', '--ane_fraction', '0.5', '--ane_programs', p, load_seconds=2,
+                              ane_fallback=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    start = next(line for line in r.stdout.splitlines() if 'mode hetero' in line)
+    assert float(re.search(r'loaded in (\d+\.\d) s', start).group(1)) >= 6, start  # 3 programs, 2 s each
+    assert 'ANE share of ops block_forward 0.0 head 0.0 block_backward 0.0; the rest runs on the CPU' in start, start
+    assert 'ane_loss' in rows(cwd)[-1]
+
+
+@pytest.mark.slow
 def test_a_resumed_run_recompiles_a_damaged_entry_and_trains_without_sudo(shakespeare, tmp_path):
     # the trainer's own programs, exported into out_dir, with sudo rights granted: joules per
     # token from powermetrics; resumed with one cache entry damaged and no sudo rights: that
@@ -175,6 +193,24 @@ def test_a_failed_neural_engine_compile(shakespeare, exported, tmp_path, fail, w
         assert r.stdout.count('a password is required') == 1 and 'energy meter: none' in r.stdout
         assert 'powermetrics gave no samples (sudo: a password is required)' in r.stdout
         assert 'printed no power lines' not in r.stdout and 'joules_per_token' not in rows(cwd)[-1]
+
+
+def test_a_stage_that_cannot_run_is_skipped_and_fails_nothing(tmp_path, monkeypatch):
+    # a stage's {'skipped': why} is recorded as skipped with its reason; the check's verdict
+    # and exit code leave it out. On the double's Mac without sudo rights the energy stage
+    # returns it before it reads ctx or measures anything
+    rec, = ane_check.run_all({}, [('energy', False, '')], timeout=300, log=lambda s: None,
+                             targets={'energy': 'check_stages:skipped'})
+    assert rec['status'] == 'skipped' and rec['reason'] == 'nothing to measure with here' and 'result' not in rec
+    said = []
+    monkeypatch.setattr(ane_check, 'run_all', lambda *a, **k: [rec, dict(name='programs', status='ok', seconds=1.0)])
+    cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
+    assert ane_check.main(cfg, 2, 8, str(tmp_path / 'p'), 4, str(tmp_path / 'c.json'), 60, log=said.append) == 0
+    assert not [s for s in said if 'FAILED' in s], said
+    r = mac(['-c', 'from tools import ane_check; print(ane_check.energy({}))'], tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("{'skipped': 'powermetrics cannot run (sudo: a password is "
+                                                     "required)"), r.stderr[-2000:]
+    assert sudo_stdins(tmp_path) == ['devnull'] and coreml_log(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -248,6 +284,22 @@ def test_bench(shakespeare, tmp_path):
     table = r.stdout[r.stdout.index('x GPU-only'):].splitlines()[1:4]
     assert [line.split()[0] for line in table] == ['gpu', 'ane', 'hetero']
     assert all(line.split()[3] != 'n/a' for line in table)  # joules per token: powermetrics
+
+
+@pytest.mark.parametrize('version,layout', [('12.5', 'E-Cluster Power: 750 mW'),
+                                            ('15.5', 'Combined Power (CPU + GPU + ANE): 13500 mW')])
+def test_the_doubles_powermetrics_prints_a_real_layout(version, layout):
+    # each macOS version's layout (test_energy.py parses excerpts of the real ones): the meter
+    # reads CPU 3 W, GPU 9 W, ANE 1.5 W from either, each part once a sample
+    env = dict(os.environ, MACOS_DOUBLE_ROOT='1', MACOS_DOUBLE_VERSION=version)
+    env.pop('MACOS_DOUBLE_LOG', None)
+    r = subprocess.run([sys.executable, os.path.join(DOUBLE, 'bin', 'powermetrics'), '--samplers',
+                        'cpu_power,gpu_power,ane_power', '-i', '50', '-n', '2', '-b', '1'],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and layout in r.stdout and r.stdout.count('GPU Power: 9000 mW') == 4, r.stdout
+    assert ('Combined' in r.stdout) == (version != '12.5')
+    parts = energy.read_samples(r.stdout.splitlines(True), dict(CPU=0.0, GPU=0.0, ANE=0.0))
+    assert parts['GPU'] / parts['CPU'] == pytest.approx(3.0, rel=1e-12) and parts['ANE'] / parts['CPU'] == pytest.approx(0.5, rel=1e-12)
 
 
 # One process of the double, its parts each a test below (a process here costs seconds: it
@@ -483,13 +535,31 @@ def test_commands_without_core_ml_are_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize('flags,switches,says', [
     ([], dict(native=0), "has no Core ML runtime (libcoremlpython)"),
     (['--block_size', '48'], {}, "--block_size (tokens a sequence) is 48: the ANE's programs need a multiple of 32"),
-    ([], dict(machine='x86_64'), "the Neural Engine needs Apple Silicon"),
+    (['--mode', 'hetero'], dict(machine='x86_64'),
+     "this Mac is x86_64 (Intel), and the Neural Engine needs Apple Silicon: use --mode gpu"),
+    (['--mode', 'hetero'], dict(machine='x86_64', rosetta=1),
+     "this Python is an x86_64 build running under Rosetta on Apple Silicon, and the ANE engine needs an arm64 Python"),
 ])
 def test_refused_at_start_in_one_line(tmp_path, flags, switches, says):
     r = mac([os.path.join(ROOT, 'hetero_gpt.py'), *TRAIN, *flags], tmp_path, **switches)
     err = error_lines(r)
     assert r.returncode == 2 and len(err) == 1 and says in err[0], r.stderr[-2000:]
     assert not os.path.exists(tmp_path / 'out')  # nothing written
+
+
+@pytest.mark.parametrize('switches,says', [
+    pytest.param(dict(machine='x86_64'), "this Mac is x86_64 (Intel)", marks=pytest.mark.slow),
+    (dict(machine='x86_64', rosetta=1), "this Python is an x86_64 build running under Rosetta on Apple Silicon"),
+])
+def test_auto_mode_without_the_neural_engine_trains_on_the_gpu(shakespeare, tmp_path, switches, says):
+    # an Intel Mac, or an x86_64 Python under Rosetta, has no way to the ANE: the default mode
+    # trains on the GPU alone, and says so in one line, with why; no Core ML program is made
+    cwd = cwd_with_data(shakespeare, tmp_path)
+    r = mac([os.path.join(ROOT, 'hetero_gpt.py'), *TRAIN, '--max_iters', '1'], cwd, **switches)
+    assert r.returncode == 0 and error_lines(r) == [], r.stderr[-2000:]
+    said = [line for line in r.stdout.splitlines() if line.startswith('mode auto: gpu alone (')]
+    assert len(said) == 1 and says in said[0] and 'mode gpu' in r.stdout, r.stdout[-2000:]
+    assert coreml_log(cwd) == [] and 'ane_loss' not in rows(cwd)[-1]
 
 
 @pytest.mark.slow
