@@ -42,7 +42,7 @@ from plumbing import distributed  # defines: join_ranks, rank_share, all_reduce_
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit), measured
 from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
-from plumbing import programs  # defines: ensure, read_meta, load_compiled, numpy_programs, the ANE's limits
+from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, the ANE's limits
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
 from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW, MILTensor  # the ANE's limits; a MIL variable with + - * /
@@ -1210,9 +1210,9 @@ def ane_engine(spec, scaler=None):
         return EagerEngine(GPTConfig(**spec['cfg']), torch.device('cpu'), getattr(torch, spec['dtype']), scaler)
     meta = programs.read_meta(spec['programs'])
     cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
-    label = f"Core ML programs {spec['programs']}" + ('' if ON_MAC else ' (NumPy evaluator)')
-    return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'],
-                        coreml_predict_fn(spec['programs'], meta['pieces']), meta['pieces'], scaler, label)
+    predict = coreml_predict_fn(spec['programs'], meta['pieces'])
+    label = f"Core ML programs {spec['programs']}" + (f" ({programs.load_summary()})" if ON_MAC else ' (NumPy evaluator)')
+    return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'], predict, meta['pieces'], scaler, label)
 
 
 def build_engines(cfg, model, device, dtype, mode, log=print):

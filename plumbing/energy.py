@@ -63,19 +63,40 @@ class RaplMeter:
         return self.total
 
 
+POWERMETRICS = ['sudo', '-n', 'powermetrics', '--samplers', 'cpu_power,gpu_power,ane_power']
+
+
+def powermetrics_readable():
+    """(True, '') if powermetrics runs here through sudo -n, else (False, why): one sample,
+    asked before anything is measured. Most Macs have no NOPASSWD rule, and sudo's
+    timestamp lapses after 5 minutes (coreml_and_ane.md section 6)."""
+    try:
+        r = subprocess.run(POWERMETRICS + ['-n', '1', '-i', '100'], stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+    why = (r.stderr.strip().splitlines() or [f'exit code {r.returncode}'])[0]
+    return (True, '') if r.returncode == 0 else (False, why)
+
+
 class PowermetricsMeter:
     """macOS: CPU, GPU and ANE power sampled by powermetrics (root: sudo -n), each sample's
-    watts times its own elapsed time, summed in a background thread. The text output repeats
-    GPU Power in its GPU block: each part counts once a sample (coreml_and_ane.md section 6)."""
+    watts times its own elapsed time, summed in a background thread. Each part counts once
+    a sample, at its first line: the GPU block repeats GPU Power, and macOS 12 adds each
+    cluster's own line (coreml_and_ane.md section 6). A refusal by sudo is remembered: later
+    meters in this process fail at once with it."""
     HEADER = re.compile(r'^\*\*\* Sampled system activity .*\(([\d.]+)\s*ms elapsed\)')
-    POWER = re.compile(r'^(CPU|GPU|ANE) Power: (\d+) mW')
+    POWER = re.compile(r'^(CPU|GPU|ANE) Power: ([\d.]+) (mW|W)$')
+    refused = None  # sudo's answer, once it has refused
 
     def __init__(self, interval_ms=200, wait_s=10.0):
+        if PowermetricsMeter.refused:
+            raise OSError(f"powermetrics gave no samples ({PowermetricsMeter.refused})")
         # -b 1: line-buffered, or a pipe would hold many samples back
         self.err = tempfile.TemporaryFile('w+')  # (a pipe nobody reads could fill and stop it)
-        self.proc = subprocess.Popen(
-            ['sudo', '-n', 'powermetrics', '--samplers', 'cpu_power,gpu_power,ane_power', '-i', str(interval_ms),
-             '-b', '1'], stdout=subprocess.PIPE, stderr=self.err, text=True)
+        # stdin: not the terminal, which sudo's pty would relay to powermetrics
+        self.proc = subprocess.Popen(POWERMETRICS + ['-i', str(interval_ms), '-b', '1'], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
         self.name = "powermetrics (CPU+GPU+ANE)"
         self.parts = dict(CPU=0.0, GPU=0.0, ANE=0.0)  # joules of each so far
         first = threading.Event()
@@ -86,6 +107,8 @@ class PowermetricsMeter:
                 self.err.seek(0)
                 why = (self.err.read().strip().splitlines() or [f'exit code {self.proc.returncode}'])[0]
                 self.close()
+                if why.startswith('sudo:'):
+                    PowermetricsMeter.refused = why
                 raise OSError(f"powermetrics gave no samples ({why})")
             if time.monotonic() > deadline:
                 self.close()
@@ -109,15 +132,17 @@ class PowermetricsMeter:
 
 def read_samples(lines, parts, seen_power=lambda: None):
     """powermetrics' text output, line by line, into parts: joules of CPU, GPU and ANE, each
-    sample's milliwatts times its own elapsed ms. Each part counts once a sample, at its first
-    line: the GPU block repeats GPU Power. seen_power() is called at each power line."""
+    sample's power times its own elapsed ms. Each part counts once a sample, at its first
+    line: the processor block's GPU Power, not the GPU block's. seen_power() is called at
+    each power line counted."""
     dt, seen = 0.0, set()
     for line in lines:
         if m := PowermetricsMeter.HEADER.match(line):
             dt, seen = float(m.group(1)) / 1000, set()
-        elif (m := PowermetricsMeter.POWER.match(line)) and m.group(1) not in seen:
+        elif (m := PowermetricsMeter.POWER.match(line.rstrip())) and m.group(1) not in seen:
             seen.add(m.group(1))
-            parts[m.group(1)] += int(m.group(2)) / 1000 * dt
+            watts = float(m.group(2)) / (1000 if m.group(3) == 'mW' else 1)
+            parts[m.group(1)] += watts * dt
             seen_power()
     return parts
 

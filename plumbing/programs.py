@@ -306,16 +306,37 @@ def _alive(pid):
         return True
 
 
+LOADED = {}  # piece -> (seconds its load took, its ANE share of ops or None)
+
+
 def load_compiled(programs, piece, load):
-    """load(path of the compiled program); a cached entry that fails to load is compiled again, once."""
+    """load(path of the compiled program), timed, and where Core ML places it (LOADED); a
+    cached entry that fails to load is compiled again, once."""
     path, cached = compiled_model(programs, piece)
+    t0 = time.perf_counter()
     try:
-        return load(path)
+        model = load(path)
     except Exception:
         if not cached:
             raise
         shutil.rmtree(path, ignore_errors=True)
-        return load(compiled_model(programs, piece)[0])
+        path = compiled_model(programs, piece)[0]
+        t0 = time.perf_counter()
+        model = load(path)
+    LOADED[piece] = (time.perf_counter() - t0, macos_placement(path).get('ane_share_of_ops'))
+    return model
+
+
+def load_summary():
+    """One line on the programs loaded: their load time (the ANE compile, minutes the first
+    time) and the share of each one's ops Core ML places on the ANE. A load can fall back to
+    the CPU without an error; this line is where that shows (coreml_and_ane.md section 1)."""
+    shares = {p: s for p, (_, s) in LOADED.items()}
+    line = (f"loaded in {sum(t for t, _ in LOADED.values()):.1f} s, ANE share of ops "
+            + ' '.join(f"{p} {'unknown' if s is None else s}" for p, s in shares.items()))
+    if any(s is not None and s < 1 for s in shares.values()):
+        line += "; the rest runs on the CPU, slower: `python export_ane.py --check` lists it"
+    return line
 
 
 HELD = collections.deque()  # [when the call returned, the inputs of one Core ML call]

@@ -179,11 +179,29 @@ def check_coreml():
                         f"wheel for Python {platform.python_version()}; use Python 3.9 to 3.13 (3.13: coremltools 9 or newer), or --mode gpu") from None
 
 
+def mac_without_ane():
+    """On a Mac: why this Python cannot reach the Neural Engine ('' if it can). Under Rosetta
+    an Apple Silicon Mac reports x86_64, and sysctl.proc_translated is 1 (Apple, "About the
+    Rosetta translation environment"); an Intel Mac has no such name or says 0."""
+    if platform.mac_ver()[2] in ('arm64', ''):
+        return ''
+    import subprocess
+    try:
+        rosetta = subprocess.run(['sysctl', '-n', 'sysctl.proc_translated'], stdin=subprocess.DEVNULL,
+                                 capture_output=True, text=True, timeout=10).stdout.strip() == '1'
+    except OSError:
+        rosetta = False
+    if rosetta:
+        return ("this Python is an x86_64 build running under Rosetta on Apple Silicon, and the ANE engine "
+                "needs an arm64 Python (python3 -c 'import platform; print(platform.machine())' says which)")
+    return f"this Mac is {platform.mac_ver()[2]} (Intel), and the Neural Engine needs Apple Silicon"
+
+
 def check_ane_alignment(cfg, T):
     """On a Mac: every contraction of the ANE's programs a multiple of 32 (T, and so B*T;
     n_embd; the head size): public ANE work saw silent zeros otherwise (coreml_and_ane.md section 2)."""
-    if platform.mac_ver()[2] not in ('arm64', ''):
-        raise UserError(f"the Neural Engine needs Apple Silicon; this Mac is {platform.mac_ver()[2]}: use --mode gpu")
+    if why := mac_without_ane():
+        raise UserError(f"{why}: use --mode gpu")
     for name, n in (('--block_size (tokens a sequence)', T), ('--n_embd', cfg.n_embd),
                     ('the head size (--n_embd / --n_head)', cfg.n_embd // cfg.n_head)):
         if n % 32:
@@ -225,7 +243,10 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print):
     if changed:
         log(f"{why} (any flag overrides): " + ' '.join(f'{k}={v}' for k, v in changed.items()))
     if cfg.mode == 'auto':
-        cfg.mode = 'hetero' if ON_MAC else 'gpu'
+        no_ane = ON_MAC and mac_without_ane()
+        cfg.mode = 'hetero' if ON_MAC and not no_ane else 'gpu'
+        if no_ane:
+            log(f"mode auto: gpu alone ({no_ane})")
     if cfg.mode not in ('gpu', 'ane', 'hetero'):
         raise UserError(f"unknown --mode {cfg.mode!r}: use gpu, ane or hetero")
     if cfg.ane_fraction != 'auto':

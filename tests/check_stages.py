@@ -18,3 +18,7 @@ def sigkill(ctx):  # as a failed ANE compile does at its first predict
 
 def raises(ctx):
     raise ValueError("a stage's own error")
+
+
+def skipped(ctx):  # a stage that cannot run on this machine
+    return {'skipped': "nothing to measure with here"}

@@ -1,75 +1,122 @@
-"""plumbing/energy.py, the meters behind joules per token: powermetrics' text parsed from a
-capture, RAPL's counters and their wrap-around in a powercap tree the test writes, and one
+"""plumbing/energy.py, the meters behind joules per token: powermetrics' text parsed from
+real captures of two macOS versions, RAPL's counters and their wrap-around in a powercap tree the test writes, and one
 meter per device. (The live powermetrics, through sudo: test_macos.py.)"""
 import pytest
 import torch
 
 from plumbing import energy
 
-# The text `powermetrics --samplers cpu_power,gpu_power,ane_power -i 200 -b 1` prints on Apple
-# Silicon (the layout of published captures, docs/coreml_and_ane.md section 6): a preamble, then
-# per sample a header with its own elapsed time, the processor block (CPU, GPU, ANE and
-# Combined Power) and the GPU block, which repeats GPU Power. The samples ran past -i 200.
-CAPTURE = """Machine model: Mac16,8
-OS version: 24F74
+# Excerpts of real captures (whole lines, in order; runs of lines left out), from
+# joular/joularjx's test resources. macOS 12.5 (build 21G72), MacBook Air M2 (Mac14,2),
+# src/test/resources/powermetrics-monterey-m2.txt (also in joular/joularjx issue #51): a
+# sample of tasks only, then one whose processor block has each cluster's own power line and
+# no Combined line.
+MONTEREY_M2 = """Machine model: Mac14,2
+OS version: 21G72
 Boot arguments:
-Boot time: Mon Jun  2 09:12:40 2025
+Boot time: Mon Oct  2 10:37:21 2023
 
 
 
-*** Sampled system activity (Mon Jun  2 10:01:02 2025 +0200) (240.50ms elapsed) ***
+*** Sampled system activity (Mon Oct 23 16:51:12 2023 +0200) (1012.07ms elapsed) ***
 
+*** Running tasks ***
 
-**** Processor usage ****
+ALL_TASKS                          -2     1222.65   1222.65    65.70  1161.97 15.81              2875.29 132.40            0.00
 
-E-Cluster HW active frequency: 1208 MHz
-E-Cluster idle residency:  79.60%
-P0-Cluster HW active frequency: 3852 MHz
-P0-Cluster idle residency:  12.40%
-
-CPU Power: 3000 mW
-GPU Power: 9000 mW
-ANE Power: 1500 mW
-Combined Power (CPU + GPU + ANE): 13500 mW
-
-**** GPU usage ****
-
-GPU HW active frequency: 1578 MHz
-GPU HW active residency:  97.21% (1578 MHz:  97%)
-GPU idle residency:   2.79%
-GPU Power: 9000 mW
-
-
-*** Sampled system activity (Mon Jun  2 10:01:02 2025 +0200) (250.00ms elapsed) ***
+*** Sampled system activity (Tue Nov 28 11:28:55 2023 +0100) (1002.80ms elapsed) ***
 
 
 **** Processor usage ****
 
-CPU Power: 1000 mW
+E-Cluster Power: 6 mW
+E-Cluster HW active frequency: 919 MHz
+E-Cluster idle residency:  94.63%
+
+P-Cluster Power: 4 mW
+P-Cluster HW active frequency: 667 MHz
+P-Cluster idle residency: 100.00%
+
+System instructions retired: 1.17831e+08
+System instructions per clock: 1.50979
+ANE Power: 0 mW
+DRAM Power: 19 mW
+DCS Power: 36 mW
+CPU Power: 10 mW
 GPU Power: 0 mW
-ANE Power: 2000 mW
-Combined Power (CPU + GPU + ANE): 3000 mW
+Package Power: 25 mW
+"""
+
+# macOS 13 (build 22G120), MacBook Pro M1 Max (MacBookPro18,4),
+# src/test/resources/powermetrics-sonoma-m1max.txt: the processor block ends in CPU, GPU and
+# ANE Power and a Combined line (359, not 211 + 147 = 358: summed before rounding). The
+# file ends without a newline.
+VENTURA_M1MAX = """Machine model: MacBookPro18,4
+OS version: 22G120
+Boot arguments:
+Boot time: Sat Oct 21 19:09:01 2023
+
+
+
+*** Sampled system activity (Mon Oct 23 16:51:12 2023 +0200) (1012.07ms elapsed) ***
+
+**** Processor usage ****
+
+E-Cluster Online: 100%
+E-Cluster HW active frequency: 1499 MHz
+P1-Cluster idle residency:  99.39%
+
+System instructions retired: 1.64279e+09
+System instructions per clock: 0.841601
+CPU Power: 211 mW
+GPU Power: 147 mW
+ANE Power: 0 mW
+Combined Power (CPU + GPU + ANE): 359 mW"""
+
+# The GPU block (--samplers gpu_power) ends in GPU Power again; in published captures it
+# repeats the processor block's value. A test construction, not a capture: the 22G120
+# sample, then a GPU block whose line differs, to pin which one counts (the processor
+# block's, the one Combined sums); then a sample in decimals and watts, which no capture shows.
+WITH_GPU_BLOCK = VENTURA_M1MAX + """
 
 **** GPU usage ****
 
-GPU HW active frequency: 0 MHz
-GPU Power: 0 mW
+GPU HW active frequency: 389 MHz
+GPU idle residency:  91.02%
+GPU Power: 150 mW
+
+
+*** Sampled system activity (Mon Oct 23 16:51:13 2023 +0200) (500.00ms elapsed) ***
+
+CPU Power: 2.5 W
+GPU Power: 1500.5 mW
+ANE Power: 0.25 W
 """
 
 
-def test_powermetrics_text_is_watts_times_each_samples_time():
-    # joules of each part: its mW times its sample's own elapsed ms, each part once a sample:
-    # CPU 3 W x 0.2405 s + 1 W x 0.25 s, GPU 9 W x 0.2405 s (not twice), ANE 1.5 x 0.2405 + 2 x 0.25.
-    # Sums of a few products of short decimals: fp64, 1e-15 relative
+def parts():
+    return dict(CPU=0.0, GPU=0.0, ANE=0.0)
+
+
+def test_powermetrics_captures_are_watts_times_each_samples_time():
+    # joules of each part: its power times its sample's own elapsed time, each part once a
+    # sample. macOS 12: CPU 10 mW x 1.0028 s, not 20 (the clusters' 6 + 4 are parts of it);
+    # DRAM, DCS and Package are none of the three; the tasks-only sample counts nothing.
+    # macOS 13: 211, 147 and 0 mW x 1.01207 s. Products of short decimals: fp64, 1e-15 relative
     seen = []
-    parts = energy.read_samples(CAPTURE.splitlines(keepends=True), dict(CPU=0.0, GPU=0.0, ANE=0.0),
-                                lambda: seen.append(1))
-    assert parts == pytest.approx(dict(CPU=0.9715, GPU=2.1645, ANE=0.86075), rel=1e-15)
-    assert len(seen) == 6  # a power line counted: 3 a sample
+    assert energy.read_samples(MONTEREY_M2.splitlines(True), parts(), lambda: seen.append(1)) == pytest.approx(
+        dict(CPU=0.010028, GPU=0.0, ANE=0.0), rel=1e-15, abs=0)
+    assert len(seen) == 3
+    assert energy.read_samples(VENTURA_M1MAX.splitlines(True), parts()) == pytest.approx(
+        dict(CPU=0.211 * 1.01207, GPU=0.147 * 1.01207, ANE=0.0), rel=1e-15, abs=0)
+    # the processor block's GPU Power (147 mW), not the GPU block's (150); then 2.5 W,
+    # 1.5005 W and 0.25 W for 0.5 s
+    assert energy.read_samples(WITH_GPU_BLOCK.splitlines(True), parts()) == pytest.approx(
+        dict(CPU=0.211 * 1.01207 + 1.25, GPU=0.147 * 1.01207 + 0.75025, ANE=0.125), rel=1e-15, abs=0)
     # a sample cut off by the end of the text counts what it printed, nothing more
-    half = CAPTURE[:CAPTURE.index('ANE Power: 2000')]
-    assert energy.read_samples(half.splitlines(True), dict(CPU=0.0, GPU=0.0, ANE=0.0)) == pytest.approx(
-        dict(CPU=0.9715, GPU=2.1645, ANE=0.36075), rel=1e-15)
+    half = VENTURA_M1MAX[:VENTURA_M1MAX.index('GPU Power')]
+    assert energy.read_samples(half.splitlines(True), parts()) == pytest.approx(
+        dict(CPU=0.211 * 1.01207, GPU=0.0, ANE=0.0), rel=1e-15, abs=0)
 
 
 def write_zone(root, name, energy_uj, max_uj=2**32 - 1):

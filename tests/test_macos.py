@@ -15,9 +15,11 @@ import torch
 
 import hetero_gpt as hg
 import helpers
+from plumbing import energy
 from plumbing import memory
 from plumbing import programs as coreml_programs
 from plumbing import settings
+from tools import ane_check
 
 import coremltools  # noqa: F401  (a test requirement)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,15 +33,32 @@ TRAIN_MODEL = hg.GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
 
 
 def mac(args, cwd, timeout=600, **switches):
-    """python ARGS on the double's Mac, in cwd; switches: MACOS_DOUBLE_* settings by suffix."""
+    """python ARGS on the double's Mac, in cwd; switches: MACOS_DOUBLE_* settings by suffix
+    (no sudo rights unless sudo=1). Its stdin is a pipe, as a terminal would be: not /dev/null."""
     env = dict(os.environ, HETERO_MACOS_DOUBLE='1', PYTHONPATH=os.pathsep.join([DOUBLE, ROOT]),
                MACOS_DOUBLE_LOG=str(cwd), **{f'MACOS_DOUBLE_{k.upper()}': str(v) for k, v in switches.items()})
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          input='')
 
 
 def coreml_log(cwd):
     path = os.path.join(cwd, 'coreml.log')
     return [line.split()[1:] for line in open(path)] if os.path.exists(path) else []
+
+
+def sudo_stdins(cwd):
+    """What each sudo the double ran had as its stdin (bin/sudo notes it)."""
+    path = os.path.join(cwd, 'sudo.log')
+    return [line.split()[0] for line in open(path)] if os.path.exists(path) else []
+
+
+def ane_shares(programs_dir, op_type):
+    """Each program's share of ops left on the ANE when Core ML puts op_type on the CPU,
+    counted from the saved programs themselves (program_report), not from Core ML."""
+    reports = {p: coreml_programs.program_report(coreml_programs.load_coreml_program(
+        coreml_programs.program_path(programs_dir, p))) for p in hg.ANE_PIECES}
+    return {p: round(1 - r['op_types'].get(op_type, 0) / r['ops'], 4) for p, r in reports.items()}, \
+        {p: r['op_types'].get(op_type, 0) for p, r in reports.items()}
 
 
 def error_lines(r):
@@ -72,12 +91,22 @@ def train_through_core_ml(cwd, *flags, **switches):
 def test_training_on_both_engines_through_core_ml(shakespeare, exported, tmp_path):
     # hetero by default: the ANE's share in its worker, through CompiledMLModel from the
     # compile cache, never retired; its first step's loss is the GPU-only run's (the same
-    # weights and batch: the ANE's half in fp16, rounding ~1e-3 of the loss)
+    # weights and batch: the ANE's half in fp16, rounding ~1e-3 of the loss). Core ML puts
+    # reduce_max on the CPU here: the start line says each program's share of ops on the
+    # ANE, as counted from the programs, and training goes on. No sudo rights, as on most
+    # Macs: no energy meter, said once, and sudo never got the terminal's stdin
     cwd = cwd_with_data(shakespeare, tmp_path)
     p = programs_in(cwd, exported, TRAIN_MODEL)
-    r = train_through_core_ml(cwd, '--max_iters', '2', '--ane_fraction', '0.5', '--ane_programs', p)
+    r = train_through_core_ml(cwd, '--max_iters', '2', '--ane_fraction', '0.5', '--ane_programs', p, cpu_ops='reduce_max')
     assert r.returncode == 0, r.stderr[-3000:]
-    assert 'mode hetero' in r.stdout and 'Core ML programs' in r.stdout and 'retired' not in r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert 'mode hetero' in r.stdout and 'Core ML programs' in r.stdout
+    assert "engine 'ane'" not in out and 'continuing with' not in out  # what a retired engine prints
+    shares, counts = ane_shares(p, 'reduce_max')
+    assert all(0 < v < 1 for v in shares.values()) and all(counts.values()), counts
+    start = next(line for line in r.stdout.splitlines() if 'mode hetero' in line)
+    assert 'ANE share of ops ' + ' '.join(f'{k} {v}' for k, v in shares.items()) in start, start
+    assert 'the rest runs on the CPU' in start and re.search(r'loaded in \d+\.\d s', start)
     log = coreml_log(cwd)
     compiled = [e for e in log if e[0] == 'compile']
     loads = [e for e in log if e[0] == 'load']
@@ -86,7 +115,8 @@ def test_training_on_both_engines_through_core_ml(shakespeare, exported, tmp_pat
                                    for e in loads)
     hetero = rows(cwd)
     assert [r['step'] for r in hetero] == [1, 2] and all('ane_loss' in row for row in hetero)  # the ANE's share, every step
-    assert 'energy meter: powermetrics' in r.stdout and all(row['joules_per_token'] > 0 for row in hetero)
+    assert r.stdout.count('a password is required') == 1 and 'energy meter: none' in r.stdout
+    assert 'joules_per_token' not in hetero[-1] and sudo_stdins(cwd) == ['devnull']
     hg.train(*hg.parse_args(TRAIN + ['--data_dir', str(cwd / 'data'), '--out_dir', str(tmp_path / 'gpu'),
                                      '--max_iters', '1', '--mode', 'gpu', '--quiet']))  # (here: the same arithmetic)
     gpu = helpers.rows(tmp_path / 'gpu')
@@ -95,13 +125,31 @@ def test_training_on_both_engines_through_core_ml(shakespeare, exported, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_resumed_run_recompiles_a_damaged_entry_and_trains_without_sudo(shakespeare, tmp_path):
-    # the trainer's own programs, exported into out_dir; resumed with one cache entry damaged
-    # and no sudo rights: that entry alone is compiled again; the run says once that it has no
-    # energy meter, and trains on
+def test_a_slow_neural_engine_load_that_falls_back_to_the_cpu_shows_at_start(shakespeare, exported, tmp_path):
+    # each program's ANE compile at load takes 2 s, then Core ML runs it on the CPU without a
+    # word (coremltools #1900, #2758): training goes on, and its start line says how long the
+    # load took and that no op of any program is on the ANE
     cwd = cwd_with_data(shakespeare, tmp_path)
-    r = train_through_core_ml(cwd, '--max_iters', '2', '--ane_fraction', '0.5')
+    p = programs_in(cwd, exported, TRAIN_MODEL)
+    r = train_through_core_ml(cwd, '--max_iters', '1', '--ane_fraction', '0.5', '--ane_programs', p, load_seconds=2,
+                              ane_fallback=1)
     assert r.returncode == 0, r.stderr[-3000:]
+    start = next(line for line in r.stdout.splitlines() if 'mode hetero' in line)
+    assert float(re.search(r'loaded in (\d+\.\d) s', start).group(1)) >= 6, start  # 3 programs, 2 s each
+    assert 'ANE share of ops block_forward 0.0 head 0.0 block_backward 0.0; the rest runs on the CPU' in start, start
+    assert 'ane_loss' in rows(cwd)[-1]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_recompiles_a_damaged_entry_and_trains_without_sudo(shakespeare, tmp_path):
+    # the trainer's own programs, exported into out_dir, with sudo rights granted: joules per
+    # token from powermetrics; resumed with one cache entry damaged and no sudo rights: that
+    # entry alone is compiled again; the run says once that it has no energy meter, and trains on
+    cwd = cwd_with_data(shakespeare, tmp_path)
+    r = train_through_core_ml(cwd, '--max_iters', '2', '--ane_fraction', '0.5', sudo=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 'energy meter: powermetrics' in r.stdout and all(row['joules_per_token'] > 0 for row in rows(cwd))
+    assert set(sudo_stdins(cwd)) == {'devnull'}
     log = coreml_log(cwd)
     loads = [e for e in log if e[0] == 'load']
     assert [e[1] for e in log if e[0] == 'compile'] == [
@@ -109,7 +157,7 @@ def test_a_resumed_run_recompiles_a_damaged_entry_and_trains_without_sudo(shakes
     entry = next(e[1] for e in loads if 'head-' in e[1])
     with open(os.path.join(cwd, entry, 'coremldata.bin'), 'wb') as f:
         f.write(b'damaged')
-    r = train_through_core_ml(cwd, '--max_iters', '3', '--ane_fraction', '0.5', '--resume', sudo=0)
+    r = train_through_core_ml(cwd, '--max_iters', '3', '--ane_fraction', '0.5', '--resume')
     assert r.returncode == 0, r.stderr[-3000:]
     new = coreml_log(cwd)[len(log):]
     assert [e[1] for e in new if e[0] == 'compile'] == [os.path.join('out', 'ane_B2_T32', 'head.mlpackage')]
@@ -139,6 +187,7 @@ def test_a_failed_neural_engine_compile(shakespeare, exported, tmp_path, fail, w
     else:
         assert r.returncode == 0 and 'Traceback' not in r.stderr, r.stderr[-3000:]
         assert 'killed by SIGKILL' in r.stdout + r.stderr and '#2758' in r.stdout + r.stderr
+        assert "engine 'ane' (" in r.stdout and "continuing with ['gpu']" in r.stdout  # retired, as it says
         assert rows(cwd)[-1]['step'] == 2 and rows(cwd)[-1]['microbatches'] == 2
         assert rows(cwd)[-1]['ane_microbatches'] == 0  # retired: the GPU has every microbatch
         assert r.stdout.count('a password is required') == 1 and 'energy meter: none' in r.stdout
@@ -146,45 +195,111 @@ def test_a_failed_neural_engine_compile(shakespeare, exported, tmp_path, fail, w
         assert 'printed no power lines' not in r.stdout and 'joules_per_token' not in rows(cwd)[-1]
 
 
+def test_a_stage_that_cannot_run_is_skipped_and_fails_nothing(tmp_path, monkeypatch):
+    # a stage's {'skipped': why} is recorded as skipped with its reason; the check's verdict
+    # and exit code leave it out. On the double's Mac without sudo rights the energy stage
+    # returns it before it reads ctx or measures anything
+    rec, = ane_check.run_all({}, [('energy', False, '')], timeout=300, log=lambda s: None,
+                             targets={'energy': 'check_stages:skipped'})
+    assert rec['status'] == 'skipped' and rec['reason'] == 'nothing to measure with here' and 'result' not in rec
+    said = []
+    monkeypatch.setattr(ane_check, 'run_all', lambda *a, **k: [rec, dict(name='programs', status='ok', seconds=1.0)])
+    cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
+    assert ane_check.main(cfg, 2, 8, str(tmp_path / 'p'), 4, str(tmp_path / 'c.json'), 60, log=said.append) == 0
+    assert not [s for s in said if 'FAILED' in s], said
+    r = mac(['-c', 'from tools import ane_check; print(ane_check.energy({}))'], tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("{'skipped': 'powermetrics cannot run (sudo: a password is "
+                                                     "required)"), r.stderr[-2000:]
+    assert sudo_stdins(tmp_path) == ['devnull'] and coreml_log(tmp_path) == []
+
+
 @pytest.mark.slow
-def test_the_self_check_every_stage_passes_and_reuses_the_cache(tmp_path):
+def test_the_self_check_without_sudo_skips_energy_at_once_and_passes(tmp_path):
+    # the check as most Macs run it: no sudo rights. Every stage passes but energy, which is
+    # skipped before it measures anything (it took seconds, not a second concurrency run),
+    # and the check passes. Core ML puts reduce_max on the CPU here: the coreml stage reports
+    # each program's share of ops on the ANE, as counted from the programs themselves
     check = [os.path.join(ROOT, 'export_ane.py'), '--check', *TINY, '--vocab_size', '512', '--gpu_batch', '2',
              '--ane_batch_size', '2']
-    r = mac(check, tmp_path)
+    r = mac(check, tmp_path, cpu_ops='reduce_max')
     doc = json.load(open(tmp_path / 'ane_check.json'))
-    status = {s['name']: s['status'] for s in doc['stages']}
-    assert r.returncode == 0 and set(status.values()) == {'ok'}, (status, r.stdout[-3000:])
-    res = {s['name']: s['result'] for s in doc['stages']}
+    stages = {s['name']: s for s in doc['stages']}
+    status = {k: s['status'] for k, s in stages.items()}
+    assert r.returncode == 0 and 'FAILED' not in r.stdout, (status, r.stdout[-3000:])
+    assert status == dict.fromkeys(status, 'ok') | {'energy': 'skipped'}, status
+    assert 'a password is required' in stages['energy']['reason'] and 'result' not in stages['energy']
+    res = {k: s.get('result') for k, s in stages.items()}
     assert res['environment']['macos'] == '15.5' and res['environment']['coreml_runtime'] == 'ok'
-    assert res['environment']['powermetrics'] is True and res['environment']['chip'] == 'Apple M4 Pro'
+    assert res['environment']['powermetrics'] == 'sudo: a password is required'
+    assert res['environment']['chip'] == 'Apple M4 Pro'
+    shares, counts = ane_shares(tmp_path / 'ane_programs', 'reduce_max')
     for piece, rec in res['coreml'].items():
-        assert not rec['cached'] and rec['placement']['ane_share_of_ops'] == 1.0, piece
-    assert res['gradients']['passed']
-    # powermetrics reports CPU 3 W, GPU 9 W, ANE 1.5 W: each part counted once a sample, so
-    # in the ratios of those watts whatever the window (the meter's own test checks watts)
-    for engine in ('gpu', 'ane'):
-        w = res['energy'][f'{engine}_alone_watts']
-        assert w['CPU'] > 0 and w['GPU'] / w['CPU'] == pytest.approx(3.0, rel=0.02), w
-        assert w['ANE'] / w['CPU'] == pytest.approx(0.5, rel=0.02), w
-    assert res['projection']['hetero_tokens_per_s'] > 0
+        assert not rec['cached'] and rec['placement']['ane_share_of_ops'] == shares[piece], (piece, rec, shares)
+        assert rec['placement']['not_on_ane'] == {'reduce_max -> MLCPUComputeDevice': counts[piece]}, rec
+    assert res['gradients']['passed'] and res['projection']['hetero_tokens_per_s'] > 0
+    assert set(sudo_stdins(tmp_path)) == {'devnull'}  # the environment's probe and energy's, never the terminal
     compiles = sum(e[0] == 'compile' and 'ane_programs' in e[1] for e in coreml_log(tmp_path))
     assert compiles == 3  # each program once: the timings load the cached model
+    # the energy stage alone decides before it measures: no worker, no program loaded
+    loads = len(coreml_log(tmp_path))
+    r = mac(check + ['--stages', 'energy'], tmp_path)
+    assert r.returncode == 0 and 'energy: skipped (powermetrics cannot run (sudo: a password' in r.stdout, r.stdout
+    assert len(coreml_log(tmp_path)) == loads
+
+    # with sudo rights granted: powermetrics reports CPU 3 W, GPU 9 W, ANE 1.5 W, each part
+    # counted once a sample, so in the ratios of those watts whatever the window (the meter's
+    # own test checks watts)
+    r = mac(check + ['--stages', 'energy'], tmp_path, sudo=1)
+    energy = json.load(open(tmp_path / 'ane_check.json'))['stages'][0]
+    assert r.returncode == 0 and energy['status'] == 'ok', r.stdout[-2000:]
+    for engine in ('gpu', 'ane'):
+        w = energy['result'][f'{engine}_alone_watts']
+        assert w['CPU'] > 0 and w['GPU'] / w['CPU'] == pytest.approx(3.0, rel=0.02), w
+        assert w['ANE'] / w['CPU'] == pytest.approx(0.5, rel=0.02), w
+
+    # the cache reused; then an ANE compile of 2 s a program at load that falls back to the
+    # CPU silently, where predicts are 3x slower: the stage shows the load time, no ANE share
+    # and CPU_AND_NE as slow as CPU_ONLY
     r = mac(check + ['--stages', 'coreml'], tmp_path)
     doc = json.load(open(tmp_path / 'ane_check.json'))
     assert r.returncode == 0 and [s['name'] for s in doc['stages']] == ['coreml'], r.stdout[-2000:]
     assert all(rec['cached'] for rec in doc['stages'][0]['result'].values())
+    assert all(rec['placement']['ane_share_of_ops'] == 1.0 for rec in doc['stages'][0]['result'].values())
     assert sum(e[0] == 'compile' and 'ane_programs' in e[1] for e in coreml_log(tmp_path)) == 3
+    r = mac(check + ['--stages', 'coreml'], tmp_path, load_seconds=2, ane_fallback=1, cpu_slowdown=3)
+    doc = json.load(open(tmp_path / 'ane_check.json'))
+    assert r.returncode == 0, r.stdout[-2000:]
+    for piece, rec in doc['stages'][0]['result'].items():
+        assert rec['load_s'] >= 2 and rec['placement']['ane_share_of_ops'] == 0.0, (piece, rec)
+        # both on the CPU: the same work, timed 3 calls each (wall time: within 2x)
+        assert 0.5 < rec['CPU_AND_NE_ms'] / rec['CPU_ONLY_ms'] < 2, (piece, rec)
 
 
 @pytest.mark.slow
 def test_bench(shakespeare, tmp_path):
     cwd = cwd_with_data(shakespeare, tmp_path)
     r = mac([os.path.join(ROOT, 'bench.py'), *TRAIN, '--bench_iters', '1', '--bench_repeats', '1',
-             '--ane_fraction', '0.5'], cwd)
+             '--ane_fraction', '0.5'], cwd, sudo=1)
     assert r.returncode == 0, r.stderr[-3000:]
     table = r.stdout[r.stdout.index('x GPU-only'):].splitlines()[1:4]
     assert [line.split()[0] for line in table] == ['gpu', 'ane', 'hetero']
     assert all(line.split()[3] != 'n/a' for line in table)  # joules per token: powermetrics
+
+
+@pytest.mark.parametrize('version,layout', [('12.5', 'E-Cluster Power: 750 mW'),
+                                            ('15.5', 'Combined Power (CPU + GPU + ANE): 13500 mW')])
+def test_the_doubles_powermetrics_prints_a_real_layout(version, layout):
+    # each macOS version's layout (test_energy.py parses excerpts of the real ones): the meter
+    # reads CPU 3 W, GPU 9 W, ANE 1.5 W from either, each part once a sample
+    env = dict(os.environ, MACOS_DOUBLE_ROOT='1', MACOS_DOUBLE_VERSION=version)
+    env.pop('MACOS_DOUBLE_LOG', None)
+    r = subprocess.run([sys.executable, os.path.join(DOUBLE, 'bin', 'powermetrics'), '--samplers',
+                        'cpu_power,gpu_power,ane_power', '-i', '50', '-n', '2', '-b', '1'],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and layout in r.stdout and r.stdout.count('GPU Power: 9000 mW') == 4, r.stdout
+    assert ('Combined' in r.stdout) == (version != '12.5')
+    parts = energy.read_samples(r.stdout.splitlines(True), dict(CPU=0.0, GPU=0.0, ANE=0.0))
+    assert parts['GPU'] / parts['CPU'] == pytest.approx(3.0, rel=1e-12) and parts['ANE'] / parts['CPU'] == pytest.approx(0.5, rel=1e-12)
 
 
 # One process of the double, its parts each a test below (a process here costs seconds: it
@@ -220,14 +335,41 @@ say('cache', sorted(os.listdir('c/compiled')))
 # the compute plan
 say('placement', programs.macos_placement(new))
 
-# the energy meter; without sudo rights (the double's switch, read by its sudo)
+# the energy meter, with sudo rights granted; without them (the double's switch, read by its sudo)
+os.environ['MACOS_DOUBLE_SUDO'] = '1'
 m = energy.PowermetricsMeter()
 time.sleep(1.0)
 m.close()
 say('energy', m.parts)
-os.environ['MACOS_DOUBLE_SUDO'] = '0'
-say('no sudo', energy.EnergyMeter(set()).missing)
 del os.environ['MACOS_DOUBLE_SUDO']
+t0 = time.monotonic()
+say('no sudo', energy.EnergyMeter(set()).missing + energy.EnergyMeter(set()).missing)
+say('no sudo seconds', time.monotonic() - t0)
+
+# what the native layer makes of each kind of input (CoreMLPythonUtils.mm, CoreMLPythonArray.mm)
+m = ct.models.CompiledMLModel(new, compute_units=ct.ComputeUnit.CPU_AND_NE)
+rng = np.random.default_rng(0)
+base = {k: (rng.standard_normal(s) * 0.1).astype(np.float32) for k, s in hg.piece_input_shapes(cfg, B, T, 'head').items()}
+first = sorted(base)[0]
+def answer(**changed):  # (arrays through coreml_predict's views; the rest fails before Core ML holds anything)
+    try:
+        arrays = all(isinstance(v, np.ndarray) for v in changed.values())
+        out = programs.coreml_predict(m, base | changed) if arrays else m.predict({k: v.copy() for k, v in base.items()} | changed)
+        return 'ok', float(sum(np.abs(v.astype(np.float64) - right[k]).max() for k, v in out.items()))
+    except Exception as e:
+        return 'error', str(e).replace(chr(10), ' ')
+right = {k: v.astype(np.float64) for k, v in programs.coreml_predict(m, base).items()}
+frozen = base[first].copy()
+frozen.flags.writeable = False
+strided = np.zeros((2,) + base[first].shape, np.float32)[1]
+strided[...] = base[first]
+say('inputs', {'big-endian': answer(**{first: base[first].astype('>f4')}),
+               'read-only': answer(**{first: frozen}),
+               'float64': answer(**{first: base[first].astype(np.float64)}),
+               'strided view': answer(**{first: np.ascontiguousarray(np.stack([base[first]] * 2, -1))[..., 0]}),
+               'python float': answer(**{first: 1.5}),
+               'list': answer(**{first: base[first].tolist()}),
+               'int64': answer(**{first: base[first].astype(np.int64)})})
 
 # a Neural Engine compile that fails at load, in this process; one that kills the process at
 # its first predict (coremltools #2758), in the worker (the double's switch, read at each)
@@ -258,6 +400,8 @@ say('views', 'ok')
 if sys.argv[1] == 'temporary':
     m.predict(inputs())  # freed by the time Core ML releases it
     time.sleep(1.5)
+elif sys.argv[1] == 'negative':
+    m.predict({k: v[::-1] for k, v in inputs().items()})  # a negative stride
 else:
     m.predict(kept)
     m.predict(kept)  # still held by Core ML from the call before
@@ -312,8 +456,26 @@ def test_the_energy_meter_against_powermetrics(parts):
     assert energy['CPU'] > 0 and energy['GPU'] / energy['CPU'] == pytest.approx(3.0, rel=1e-12), energy
     assert energy['ANE'] / energy['CPU'] == pytest.approx(0.5, rel=1e-12), energy
     assert not [f for f in os.listdir(cwd) if f.startswith('powermetrics.')]  # none left running
-    # without sudo rights: no meter, and why, at once (not after powermetrics' wait for samples)
-    assert said['no sudo'] == ['PowermetricsMeter: powermetrics gave no samples (sudo: a password is required)']
+    # without sudo rights: no meter, and why, at once (not after powermetrics' wait for
+    # samples), the second meter without asking sudo again; sudo's stdin never the terminal's
+    assert said['no sudo'] == ['PowermetricsMeter: powermetrics gave no samples (sudo: a password is required)'] * 2
+    assert said['no sudo seconds'] < 5
+    assert sudo_stdins(cwd) == ['devnull', 'devnull']
+
+
+def test_inputs_as_the_native_layer_takes_them(parts):
+    # coremltools 9.0 CoreMLPythonArray.mm and CoreMLPythonUtils.mm: fp32 in the other byte
+    # order is taken as fp32 and read as native floats (garbage, no error); a read-only array,
+    # int64 and a list fail (the list is dropped, so the input is missing); a Python float is a
+    # feature of its own, which is no MultiArray; fp64 and strided views are taken, converted
+    # by Core ML. (fp16 rounding of the same values: differences of 0)
+    r, said, _ = parts
+    inputs = said['inputs']
+    assert inputs['float64'] == ['ok', 0.0] and inputs['strided view'] == ['ok', 0.0], r.stderr[-2000:]
+    assert inputs['big-endian'][0] == 'ok' and not inputs['big-endian'][1] < 1e-3  # (nan too: not < 1e-3)
+    assert inputs['read-only'] == ['error', 'value type not convertible'] == inputs['int64']
+    assert inputs['list'][0] == 'error' and 'Required input feature not passed' in inputs['list'][1]
+    assert inputs['python float'][0] == 'error' and 'MultiArray' in inputs['python float'][1]
 
 
 def test_a_failed_neural_engine_compile_in_short(parts):
@@ -327,13 +489,16 @@ def test_a_failed_neural_engine_compile_in_short(parts):
     assert 'smaller --ane_batch_size' in said['sigkill'] and 'export_ane.py --check' in said['sigkill']
 
 
-@pytest.mark.parametrize('misuse', [pytest.param('temporary', marks=pytest.mark.slow), 'again'])
+@pytest.mark.parametrize('misuse', [pytest.param('temporary', marks=pytest.mark.slow), 'again',
+                                    pytest.param('negative', marks=pytest.mark.slow)])
 def test_core_ml_releases_its_inputs_late(parts, exported, tmp_path, misuse):
     # the double crashes where Core ML's late release, off the GIL, could corrupt the heap
-    # (coremltools PRs #2827, #2829); coreml_predict's views never give it the chance
+    # (coremltools PRs #2827, #2829); coreml_predict's views never give it the chance. A
+    # negative stride crashes too: the native layer reads it as ~2^62 elements
     r, said, _ = parts if misuse == 'again' else run_parts(exported, tmp_path, misuse)
     assert said.get('views') == 'ok' and 'survived' not in said and r.returncode == -11, (r.stdout, r.stderr[-2000:])
-    assert ('after the caller had freed it' if misuse == 'temporary' else 'still held by Core ML') in r.stderr
+    assert {'temporary': 'after the caller had freed it', 'again': 'still held by Core ML',
+            'negative': 'has a negative stride'}[misuse] in r.stderr
 
 
 REFUSED = """
@@ -370,13 +535,31 @@ def test_commands_without_core_ml_are_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize('flags,switches,says', [
     ([], dict(native=0), "has no Core ML runtime (libcoremlpython)"),
     (['--block_size', '48'], {}, "--block_size (tokens a sequence) is 48: the ANE's programs need a multiple of 32"),
-    ([], dict(machine='x86_64'), "the Neural Engine needs Apple Silicon"),
+    (['--mode', 'hetero'], dict(machine='x86_64'),
+     "this Mac is x86_64 (Intel), and the Neural Engine needs Apple Silicon: use --mode gpu"),
+    (['--mode', 'hetero'], dict(machine='x86_64', rosetta=1),
+     "this Python is an x86_64 build running under Rosetta on Apple Silicon, and the ANE engine needs an arm64 Python"),
 ])
 def test_refused_at_start_in_one_line(tmp_path, flags, switches, says):
     r = mac([os.path.join(ROOT, 'hetero_gpt.py'), *TRAIN, *flags], tmp_path, **switches)
     err = error_lines(r)
     assert r.returncode == 2 and len(err) == 1 and says in err[0], r.stderr[-2000:]
     assert not os.path.exists(tmp_path / 'out')  # nothing written
+
+
+@pytest.mark.parametrize('switches,says', [
+    pytest.param(dict(machine='x86_64'), "this Mac is x86_64 (Intel)", marks=pytest.mark.slow),
+    (dict(machine='x86_64', rosetta=1), "this Python is an x86_64 build running under Rosetta on Apple Silicon"),
+])
+def test_auto_mode_without_the_neural_engine_trains_on_the_gpu(shakespeare, tmp_path, switches, says):
+    # an Intel Mac, or an x86_64 Python under Rosetta, has no way to the ANE: the default mode
+    # trains on the GPU alone, and says so in one line, with why; no Core ML program is made
+    cwd = cwd_with_data(shakespeare, tmp_path)
+    r = mac([os.path.join(ROOT, 'hetero_gpt.py'), *TRAIN, '--max_iters', '1'], cwd, **switches)
+    assert r.returncode == 0 and error_lines(r) == [], r.stderr[-2000:]
+    said = [line for line in r.stdout.splitlines() if line.startswith('mode auto: gpu alone (')]
+    assert len(said) == 1 and says in said[0] and 'mode gpu' in r.stdout, r.stdout[-2000:]
+    assert coreml_log(cwd) == [] and 'ane_loss' not in rows(cwd)[-1]
 
 
 @pytest.mark.slow

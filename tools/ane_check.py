@@ -25,6 +25,7 @@ import torch
 
 import hetero_gpt as hg  # defines: the model, its derivation, build_coreml_program, ane_engine
 from plumbing import memory  # defines: memory_estimate, total_memory, measured
+from plumbing.energy import powermetrics_readable  # defines: powermetrics_readable
 from plumbing import programs as coreml_programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
 from plumbing import settings  # defines: one_line, check_coreml, import_coremltools
 from plumbing import worker  # defines: WorkerEngine, exit_text
@@ -91,8 +92,11 @@ def run_all(ctx, stages, timeout, log=print, targets=None):
         else:
             log(f"stage {name} ...")
             rec = run_stage(name, ctx, timeout, (targets or {}).get(name))
+            if 'skipped' in (rec.get('result') or {}):  # a stage that cannot run here: neither passed nor failed
+                rec = dict(rec, status='skipped', reason=rec.pop('result')['skipped'])
             ctx['results'][name] = rec.get('result')
-        log(f"  {name}: {rec['status']}" + (f" ({rec['error']})" if 'error' in rec else '') + f", {rec['seconds']} s")
+        why = rec.get('error', rec.get('reason'))
+        log(f"  {name}: {rec['status']}" + (f" ({why})" if why else '') + f", {rec['seconds']} s")
         records.append(rec)
     return records
 
@@ -129,8 +133,8 @@ def _ours(p):
 
 
 def _summary(r):
-    if 'error' in r:
-        return r['error'].replace('|', '/')
+    if 'error' in r or 'reason' in r:
+        return r.get('error', r.get('reason')).replace('|', '/')
     res = r.get('result') or {}
     if r['name'] == 'coreml':  # per program: where it runs, its load and its two timed calls
         return '; '.join(f"{p}: ANE share {v['placement'].get('ane_share_of_ops', 'unavailable')}, cached "
@@ -196,9 +200,8 @@ def environment(ctx):
             info['coreml_runtime'] = 'ok'
         except hg.UserError as e:
             info['coreml_runtime'] = str(e)
-        info['powermetrics'] = subprocess.run(['sudo', '-n', 'powermetrics', '-n', '1', '-i', '100', '--samplers',
-                                               'cpu_power,gpu_power,ane_power'], capture_output=True,
-                                              timeout=30).returncode == 0
+        ok, why = powermetrics_readable()
+        info['powermetrics'] = ok or why
     return info
 
 
@@ -333,7 +336,11 @@ def concurrency(ctx, watts=False):
 
 
 def energy(ctx):
-    """macOS with powermetrics: the watts of CPU, GPU and ANE while each engine runs alone."""
+    """macOS with powermetrics: the watts of CPU, GPU and ANE while each engine runs alone.
+    Skipped, before anything is measured, where sudo -n cannot run powermetrics."""
+    ok, why = powermetrics_readable()
+    if not ok:
+        return dict(skipped=f"powermetrics cannot run ({why}); `sudo -v` just before the check gives it 5 minutes")
     return concurrency(ctx, watts=True)
 
 
@@ -431,7 +438,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
 
 def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print):
     """export_ane.py --check: every stage (or those named), then the report. Returns 0 if every
-    stage that ran passed."""
+    stage that ran passed; a skipped stage (it cannot run here) neither passes nor fails."""
     names = [n for n in stages.split(',') if n]
     if unknown := [n for n in names if n not in [s[0] for s in STAGES]]:
         raise hg.UserError(f"--stages {','.join(unknown)}: unknown; the stages are {', '.join(s[0] for s in STAGES)}")
@@ -440,7 +447,7 @@ def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print):
     write_report(records, ctx, report)
     grads = next((r for r in records if r['name'] == 'gradients'), {})
     log(f"wrote {report} and {os.path.splitext(report)[0] + '.md'}")
-    bad = [r['name'] for r in records if r['status'] not in ('ok', 'needs macOS')]
+    bad = [r['name'] for r in records if r['status'] not in ('ok', 'needs macOS', 'skipped')]
     if grads.get('status') == 'ok' and not grads['result']['passed']:
         bad.append('gradients (worst cosine below 0.999)')
     if bad:

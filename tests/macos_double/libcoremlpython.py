@@ -144,10 +144,14 @@ class _MLModelProxy:
         if on_ane and os.environ.get('MACOS_DOUBLE_FAIL') == 'load':
             raise _nserror(f"Failed to build the model execution plan for the Neural Engine using {self.compiled}: "
                            "the ANE compiler service failed (the double's MACOS_DOUBLE_FAIL=load)")
+        if on_ane:  # the ANE compile happens at load, and can take minutes (coremltools #1900)
+            time.sleep(float(os.environ.get('MACOS_DOUBLE_LOAD_SECONDS', '0')))
+        # a program the ANE compiler gives up on runs on the CPU, without an error (#2758; coreml_and_ane.md section 1)
+        self.on_cpu = not on_ane or _falls_back(self.program)
         from plumbing import programs  # the project's NumPy evaluator stands for Core ML's execution
-        self.run = programs.numpy_predict(self.program, ane=on_ane)
+        self.run = programs.numpy_predict(self.program, ane=not self.on_cpu)
         self.load_ns = time.perf_counter_ns() - t0
-        _note('load', self.compiled, compute_units)
+        _note('load', self.compiled, compute_units, 'CPU' if self.on_cpu and on_ane else '')
 
     def __del__(self):  # ~Model: a model compiled at load deletes its temporary .mlmodelc
         if getattr(self, 'delete', False):
@@ -160,25 +164,26 @@ class _MLModelProxy:
             os.kill(os.getpid(), signal.SIGKILL)  # coremltools #2758: the load "succeeded"
         self.predicts += 1
         f = self.program.functions['main']
-        for name, v in data.items():
-            # Utils::dictToFeatures converts every entry; convertValueToArray and
-            # PybindCompatibleArray take int32, fp32 or fp64, writeable (mutable_data); anything
-            # else is reported as "value type not convertible"
-            if not (isinstance(v, np.ndarray) and v.dtype in (np.int32, np.float32, np.float64) and v.flags.writeable):
-                print("Error: value type not convertible:")
-                print(type(v).__name__, getattr(v, 'dtype', ''), getattr(getattr(v, 'flags', None), 'writeable', ''))
-                raise RuntimeError("value type not convertible")
-            _RELEASE.check_not_held(name, v)
-        held = {}
+        features = {}
+        for name, v in data.items():  # Utils::dictToFeatures converts every entry
+            if isinstance(v, np.ndarray):
+                _RELEASE.check_not_held(name, v)
+            features[name] = _feature(name, v)
+        held, wrapped = {}, {}
         for name, var in f.inputs.items():
-            if name not in data:  # Core ML checks the inputs against the model's description
+            if features.get(name) is None:  # Core ML checks the inputs against the model's description
                 raise _nserror(f"Required input feature not passed to the model: {name}")
-            if data[name].shape != tuple(var.shape):
-                raise _nserror(f"MultiArray shape {data[name].shape} of input {name} does not match the shape "
+            if not isinstance(features[name], np.ndarray):
+                raise _nserror(f"The input feature {name} is a {type(features[name]).__name__}; the model "
+                               "description specifies a MultiArray")
+            if features[name].shape != tuple(var.shape):
+                raise _nserror(f"MultiArray shape {features[name].shape} of input {name} does not match the shape "
                                f"{tuple(var.shape)} specified in the model description")
-            held[name] = data[name]  # wrapped without a copy (deallocator:nil)
+            held[name], wrapped[name] = data[name], features[name]  # wrapped without a copy (deallocator:nil)
         t0 = time.perf_counter_ns()
-        out = self.run(held)  # converts each input to the program's declared type (fp16)
+        out = self.run(wrapped)  # converts each input to the program's declared type (fp16)
+        if self.on_cpu:  # the CPU's pace against the ANE's: no source gives it for these programs
+            time.sleep((time.perf_counter_ns() - t0) / 1e9 * (float(os.environ.get('MACOS_DOUBLE_CPU_SLOWDOWN', '1')) - 1))
         self.last_ns = time.perf_counter_ns() - t0
         _RELEASE.hold(held)
         # fp16 outputs come back as new fp32 arrays (CoreMLPythonUtils.mm convertArrayToPython)
@@ -227,8 +232,8 @@ class _MLModelProxy:
         block = cp.MLModelStructureProgramBlock(typed(f.inputs), ops, [v.name for v in f.outputs])
         structure = cp.MLModelStructure(None, cp.MLModelStructureProgram(
             {'main': cp.MLModelStructureProgramFunction(typed(f.inputs), block)}), None)
-        return cp.MLComputePlan(_MLComputePlanProxy(structure, compute_units,
-                                                    sum(op.op_type != 'const' for op in f.operations)))
+        units = 'CPU_ONLY' if compute_units in ('CPU_AND_NE', 'ALL') and _falls_back(program) else compute_units
+        return cp.MLComputePlan(_MLComputePlanProxy(structure, units, sum(op.op_type != 'const' for op in f.operations)))
 
     @staticmethod
     def get_model_structure(path):
@@ -251,8 +256,50 @@ class _MLModelProxy:
         raise RuntimeError("the macOS double has no model assets")
 
 
+def _feature(name, v):
+    """What Utils::convertValueToObjC makes of one entry (coremltools 9.0 CoreMLPythonUtils.mm):
+    a Python int, float, str or dict is a feature of its own type; a list or tuple becomes
+    nil, so the entry is dropped; an object with the buffer protocol is wrapped as an
+    MLMultiArray (PybindCompatibleArray, CoreMLPythonArray.mm), else "value type not
+    convertible". The wrapper takes the type from dtype kind and itemsize alone: int32,
+    float32 in either byte order (a byte-swapped one is read as native floats, garbage), and
+    float64; it needs mutable_data(), so a read-only array fails; each stride is divided as an
+    unsigned size_t, so a negative one becomes ~2^62 elements."""
+    if isinstance(v, (bool, int, float, str, bytes)) and not isinstance(v, np.generic) or isinstance(v, np.float64):
+        return v
+    if isinstance(v, dict):
+        return v
+    if isinstance(v, (list, tuple)):
+        return None
+    if isinstance(v, np.ndarray) and v.ndim > 0 and v.flags.writeable and (
+            (v.dtype.kind, v.dtype.itemsize) in (('i', 4), ('f', 4), ('f', 8))):
+        if any(st < 0 for st in v.strides):
+            sys.stderr.write(f"macOS double: input {name!r} has a negative stride, which CoreMLPythonArray.mm "
+                             "turns into ~2^62 elements: Core ML reads far outside the array\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return v if v.dtype.isnative else v.view(v.dtype.newbyteorder('='))  # the bytes, read as native
+    print("Error: value type not convertible:")
+    print(repr(v)[:200])
+    raise RuntimeError("value type not convertible")
+
+
 def _cpu_ops():
-    return {t for t in os.environ.get('MACOS_DOUBLE_CPU_OPS', '').split(',') if t}
+    """The op types the compute plan puts on the CPU: those the ANE has no unit for (gather,
+    scatter, one_hot: coreml_and_ane.md section 2, from ANEForge's op catalog and
+    hollance/neural-engine), and MACOS_DOUBLE_CPU_OPS."""
+    known = {'gather', 'gather_nd', 'gather_along_axis', 'scatter', 'scatter_nd', 'scatter_along_axis', 'one_hot'}
+    return known | {t for t in os.environ.get('MACOS_DOUBLE_CPU_OPS', '').split(',') if t}
+
+
+def _falls_back(program):
+    """Whether a CPU_AND_NE load of this program runs it all on the CPU, silently: one whose
+    live memory passes the ANE's address space (coreml_and_ane.md section 1, from
+    smpanaro/more-ane-transformers), by the project's own estimate; or any, under
+    MACOS_DOUBLE_ANE_FALLBACK=1 (the ANE compiler's failures have no public list)."""
+    from plumbing import programs
+    return (os.environ.get('MACOS_DOUBLE_ANE_FALLBACK') == '1'
+            or programs.live_bytes(program.functions['main']) > programs.ANE_MEMORY)
 
 
 class _MLCPUComputeDeviceProxy:
@@ -287,8 +334,9 @@ class _MLModelStructureNeuralNetworkLayerProxy:
 
 
 class _MLComputePlanProxy:
-    """ComputePlan: each op's device (MACOS_DOUBLE_CPU_OPS on the CPU, the rest on the
-    Neural Engine; CPU_ONLY all on the CPU) and an equal share of the estimated cost."""
+    """ComputePlan: each op's device (_cpu_ops() on the CPU, the rest on the Neural Engine;
+    CPU_ONLY, or a program that falls back, all on the CPU) and an equal share of the
+    estimated cost."""
 
     def __init__(self, structure, compute_units, n_ops):
         self.model_structure, self.units, self.n_ops = structure, compute_units, n_ops

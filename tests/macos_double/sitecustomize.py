@@ -15,11 +15,16 @@ since they inherit both).
 Switches, all environment variables:
   MACOS_DOUBLE_VERSION   the macOS version (default 15.5)
   MACOS_DOUBLE_MACHINE   arm64 (default) or x86_64 (an Intel Mac)
+  MACOS_DOUBLE_ROSETTA   1: with x86_64, an Apple Silicon Mac running this Python under Rosetta
   MACOS_DOUBLE_NATIVE    0: no libcoremlpython, as coremltools installed from its sdist
-  MACOS_DOUBLE_CPU_OPS   op types the compute plan puts on the CPU, comma-separated
+  MACOS_DOUBLE_CPU_OPS   op types the compute plan puts on the CPU, comma-separated, besides
+                         those the ANE has no unit for (gather, scatter, one_hot)
   MACOS_DOUBLE_FAIL      load: the Neural Engine compile fails at load with an exception;
                          sigkill: the load succeeds and the first predict kills the process
-  MACOS_DOUBLE_SUDO      0: sudo -n has no rights
+  MACOS_DOUBLE_LOAD_SECONDS  seconds each Neural Engine load takes (its compile)
+  MACOS_DOUBLE_ANE_FALLBACK  1: a Neural Engine load runs the program on the CPU, silently
+  MACOS_DOUBLE_CPU_SLOWDOWN  a program on the CPU predicts this many times slower (default 1)
+  MACOS_DOUBLE_SUDO      1: sudo -n has rights (default: none, as on most Macs)
   MACOS_DOUBLE_WATTS     CPU,GPU,ANE milliwatts powermetrics reports (default 3000,9000,1500)
   MACOS_DOUBLE_LOG       a folder: the double notes compiles, loads and powermetrics there
   MACOS_DOUBLE_MPS       0: no MPS (torch.backends.mps.is_available() False, as on Linux)
