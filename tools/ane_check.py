@@ -214,7 +214,7 @@ def probes(ctx):
     cases = {  # name: (fn of MILOps and inputs -> outputs, inputs)
         'matmul, both operands inputs': (lambda o, x, w: {'y': o.matmul(x, w, tb=True)},
                                         dict(x=rng.standard_normal((N, C)), w=rng.standard_normal((4 * C, C)) / 30)),
-        'long sum as reduce_sum': (lambda o, x: {'y': hg.MILTensor(o.mb.reduce_sum(x=x.v, axes=[0], keep_dims=True))},
+        'long sum as reduce_sum': (lambda o, x: {'y': hg.MILTensor(o.mb.reduce_sum(x=x.var, axes=[0], keep_dims=True))},
                                    dict(x=rng.standard_normal((N, C)) * 0.01 + 0.005)),
         'long sum as a matmul with ones': (lambda o, x: {'y': o.sum(x, 0)}, dict(x=rng.standard_normal((N, C)) * 0.01 + 0.005)),
         'softmax over a vocabulary chunk': (lambda o, z: {'y': o.softmax(z, -1)}, dict(z=rng.standard_normal((64, V)) * 2)),
