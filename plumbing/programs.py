@@ -181,6 +181,23 @@ def live_bytes(f):
     return peak
 
 
+def _needs(outputs):
+    """The ids of every op these variables depend on."""
+    seen, todo = set(), [v.op for v in outputs]
+    while todo:
+        op = todo.pop()
+        if op is not None and id(op) not in seen:
+            seen.add(id(op))
+            todo += [u.op for u in _inputs(op)]
+    return seen
+
+
+def peak_ops(f):
+    """The ops (not constants) of function f that only its 'peaks' output needs: the overflow bookkeeping."""
+    only = _needs([v for v in f.outputs if v.name == 'peaks']) - _needs([v for v in f.outputs if v.name != 'peaks'])
+    return [op for op in f.operations if id(op) in only and op.op_type != 'const']
+
+
 def program_report(prog):
     """What is in one program, computed from the program itself (the saved one, read back)."""
     f = prog.functions['main']
@@ -190,7 +207,8 @@ def program_report(prog):
     dims += [d for v in f.inputs.values() for d in v.shape]
     ranks = [len(v.shape) for op in f.operations for v in op.outputs if hasattr(v, 'shape')]
     nbytes = lambda vs: sum(int(np.prod(v.shape)) * 2 for v in vs)  # fp16: 2 bytes an element
-    return dict(ops=len(ops), op_types=dict(kinds.most_common()), flops=sum(op_flops(op) for op in ops),
+    return dict(ops=len(ops), outputs=len(f.outputs), peak_ops=len(peak_ops(f)), op_types=dict(kinds.most_common()),
+                flops=sum(op_flops(op) for op in ops),
                 matmul_flops=sum(op_flops(op) for op in ops if op.op_type == 'matmul' and not is_sum(op)),
                 sum_flops=sum(op_flops(op) for op in ops if is_sum(op)),
                 bytes_in=nbytes(f.inputs.values()), bytes_out=nbytes(f.outputs), live_bytes=live_bytes(f),
@@ -209,7 +227,7 @@ def check_ane_limits(reports, B):
                             f"call, past the ANE's {ANE_MEMORY / 2**30:.2f} GiB: use a smaller --ane_batch_size")
 
 
-PROGRAM_FORMAT = 7  # bump when a program changes
+PROGRAM_FORMAT = 8  # bump when a program changes
 META = 'heterogpt.json'
 
 

@@ -17,18 +17,9 @@ pytest.importorskip('coremltools')
 def bookkeeping(path, piece):
     """(ops, outputs, ops that only the peaks output needs, its checks) of a saved program."""
     f = programs.load_coreml_program(programs.program_path(path, piece)).functions['main']
-    ops = [op for op in f.operations if op.op_type != 'const']
-    def needs(outputs):  # every op these outputs depend on
-        seen, todo = set(), [v.op for v in outputs]
-        while todo:
-            op = todo.pop()
-            if op is not None and id(op) not in seen:
-                seen.add(id(op))
-                todo += [u.op for u in programs._inputs(op)]
-        return seen
-    only = needs([v for v in f.outputs if v.name == 'peaks']) - needs([v for v in f.outputs if v.name != 'peaks'])
-    extra = [op for op in ops if id(op) in only]
-    return len(ops), len(f.outputs), extra, sum(op.op_type == 'reduce_max' for op in extra)
+    extra = programs.peak_ops(f)
+    return (len([op for op in f.operations if op.op_type != 'const']), len(f.outputs), extra,
+            sum(op.op_type == 'reduce_max' for op in extra))
 
 
 # What programs.peaks checks, per program, from its rules (the matmul results that can saturate unseen):
