@@ -422,7 +422,20 @@ def load_coreml_program(path):
                          file_weights_dir=model.weights_dir or '')
 
 
-def numpy_predict(prog, ane=False):
+# The ANE's functions by lookup table (coreml_and_ane.md section 2): the relative error each
+# carries in numpy_predict's ANE mode. Published: about half an fp16 ulp (2^-12) for the
+# activation tables; none per function. Imitated at one ulp, 2^-10, twice that.
+LUT_ERROR = dict.fromkeys(('exp', 'log', 'tanh', 'rsqrt', 'softmax'), 2.0 ** -10)
+
+
+def lut_error(x, size):
+    """A relative error in [-size, size) that is a fixed function of each input's fp16 bits, as
+    a table's error is: the same input always gives the same error, neighbours unrelated."""
+    bits = np.asarray(x, np.float16).view(np.uint16).astype(np.uint32)
+    return size * (((bits * 2654435761) >> 16 & 0xFFFF).astype(np.float32) / 32768 - 1)
+
+
+def numpy_predict(prog, ane=False, lut=None):
     """A stand-in for Core ML's predict off macOS: evaluates the program op by op in NumPy,
     each op's result rounded to the dtype the program declares (fp16 here), through the
     ops' own value_inference, each value freed after its last reader. Slow; for checks, not training.
@@ -432,10 +445,12 @@ def numpy_predict(prog, ane=False):
     above: reduce_sum and reduce_mean add the terms one after another along the axis in fp16
     (every partial sum rounded: the worst case of a narrow accumulator; the mean divides that
     sum by n), and no result overflows to inf: matmul outputs saturate at +-ANE_MATMUL_MAX,
-    every other op's at +-65504."""
+    every other op's at +-65504; and the lookup tables are inexact: {op: relative error}
+    (lut_error of the op's input), LUT_ERROR unless given; lut={} computes them exactly."""
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import Function, types
     f = prog.functions['main']
+    lut = (LUT_ERROR if lut is None else lut) if ane else {}
 
     def plain(v):  # NumPy 2: loaded bool params are np.bool_, which reductions reject
         return bool(v) if isinstance(v, np.bool_) or (isinstance(v, np.ndarray) and v.dtype == np.bool_ and v.ndim == 0) else v
@@ -486,6 +501,8 @@ def numpy_predict(prog, ane=False):
                     res = tuple(o.val for o in (new if isinstance(new, (list, tuple)) else [new]))
                     if any(r is None for r in res):
                         raise NotImplementedError(f"no NumPy evaluation for MIL op {op.op_type}")
+                    if lut.get(op.op_type):  # the table's error, a function of the input
+                        res = (res[0] * (1 + lut_error(kw['x'], lut[op.op_type])),)
                 for o, r in zip(op.outputs, res):
                     env[o.name] = r = np.asarray(r).astype(types.nptype_from_builtin(o.dtype))
                     made += r.nbytes
@@ -502,9 +519,9 @@ def numpy_predict(prog, ane=False):
     return predict
 
 
-def numpy_programs(programs, pieces, ane=False):
+def numpy_programs(programs, pieces, ane=False, lut=None):
     """predict(piece, inputs) -> outputs: the saved programs in numpy_predict (off macOS)."""
-    fns = {p: numpy_predict(load_coreml_program(program_path(programs, p)), ane) for p in pieces}
+    fns = {p: numpy_predict(load_coreml_program(program_path(programs, p)), ane, lut) for p in pieces}
     return lambda piece, inputs: fns[piece](inputs)
 
 

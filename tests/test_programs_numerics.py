@@ -97,3 +97,41 @@ def test_without_the_peaks_the_saturation_passes(exported, monkeypatch, tmp_path
     idx, targets = (torch.randint(0, cfg.vocab_size, (B, T)) for _ in range(2))
     loss, grads = engine.loss_and_grads(idx, targets)
     assert np.isfinite(loss.item()) and engine.scaler.peak < programs.ANE_OVERFLOW
+
+
+def row_sum_dropped(self, x, axis, keep=True):  # the softmax backward's row sum (the only 4-D sum) as 0
+    return ORIGINAL_SUM(self, x, axis, keep) if len(x.shape) < 4 else self._dot(x, axis, 0.0)
+
+
+def bias_sums_doubled(self, x, axis, keep=True):  # every sum over rows (the bias and norm gradients) x2
+    return ORIGINAL_SUM(self, x, axis, keep) if axis != 0 else self.reshape(self._dot(x, 0, 2.0), [x.shape[1]])
+
+
+ORIGINAL_SUM = hg.MILOps.sum
+GATE_CFG = hg.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128)
+
+
+@pytest.mark.parametrize('mutation', [None, row_sum_dropped, bias_sums_doubled])
+def test_the_gradient_gate_catches_what_a_whole_tensor_cosine_misses(mutation, monkeypatch, tmp_path):
+    # The self-check's gate (ane_check.gradients, judge_gradients) on programs with a defect, in the NumPy
+    # evaluator's ANE mode (its default tables' errors), against fp64 autograd. The old gate
+    # (worst cosine of whole tensors >= 0.999, c_attn's bias left out) passed both defects:
+    # the row sum dropped leaves the q and k thirds of c_attn wrong, 1% of the tensor's norm;
+    # doubled sums leave every direction right. The new gate fails both, passes the programs as they are.
+    from tools import ane_check
+    if mutation:
+        monkeypatch.setattr(hg.MILOps, 'sum', mutation)
+    path = str(tmp_path / 'p')
+    export_ane.export_programs(GATE_CFG, 2, 16, path)
+    monkeypatch.setattr(hg.MILOps, 'sum', ORIGINAL_SUM)
+    ctx = dict(cfg=GATE_CFG.__dict__, B=2, T=16, out=path)
+    _, grads, _, ref, _ = ane_check.gradient_pair(ctx)
+    old = min(torch.nn.functional.cosine_similarity(grads[k].double().flatten(), r.flatten(), dim=0).item()
+              for k, r in ref.items() if not k.endswith('attn.c_attn.bias'))
+    res = ane_check.judge_gradients(grads, ref)
+    assert old >= 0.999 and res['passed'] == (mutation is None), (old, res)
+    assert set(res['per_layer']) == {'other', 'h0', 'h1'}
+    if mutation is row_sum_dropped:  # q and k thirds, in every layer
+        assert {f'transformer.h.{l}.attn.c_attn.weight[{c}]' for l in (0, 1) for c in 'qk'} <= set(res['failures'])
+    if mutation is bias_sums_doubled:  # the norm ratio, at 2 (fp16 rounding aside: the tolerance is 2%)
+        assert abs(res['worst_norm_ratio'] - 2) < 0.02 and res['worst_cosine'] >= 0.999

@@ -28,6 +28,7 @@ from plumbing import memory  # defines: memory_estimate, total_memory
 from plumbing import programs as coreml_programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
 from plumbing import settings  # defines: one_line, check_coreml, import_coremltools
 from plumbing import worker  # defines: WorkerEngine, exit_text
+from tools import gradcheck  # defines: compare, failures, by_layer, TOLERANCE
 
 # (name, needs macOS, what it finds out)
 STAGES = (('environment', False, "macOS, chip, memory, versions, MPS, powermetrics"),
@@ -324,9 +325,10 @@ def coreml(ctx):
     return out
 
 
-def gradients(ctx):
-    """The chained programs (Core ML on macOS, the NumPy evaluator elsewhere) against fp64
-    autograd on one random microbatch: the worst cosine over every parameter's gradient."""
+def gradient_pair(ctx):
+    """(the chained programs' loss and gradients, fp64 autograd's) on one random microbatch.
+    Core ML on macOS; elsewhere the NumPy evaluator in its ANE mode, its tables' errors
+    ctx['lut'] ({op: relative error}; programs.LUT_ERROR if absent)."""
     cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
     torch.manual_seed(0)
     model = hg.GPT(cfg).double()
@@ -337,15 +339,36 @@ def gradients(ctx):
         l64.backward()
         loss += l64.detach()
     engine = hg.ane_engine(dict(programs=ctx['out']), hg.LossScaler(hg.Config.ane_loss_scale, 0))
+    if not hg.ON_MAC:
+        engine.predict = coreml_programs.numpy_programs(ctx['out'], engine.pieces, ane=True, lut=ctx.get('lut'))
     engine.load_weights(dict(model.named_parameters()))
-    t0 = time.perf_counter()
     l, grads = engine.loss_and_grads(idx, targets)
-    cos = {k: torch.nn.functional.cosine_similarity(grads[k].double().flatten(), p.grad.flatten(), dim=0).item()
-           for k, p in model.named_parameters() if not k.endswith('attn.c_attn.bias')}  # (its key third is 0)
-    worst = min(cos, key=cos.get)
-    return dict(worst_cosine=round(cos[worst], 6), worst=worst, loss=round(l.item(), 5),
-                reference_loss=round(loss.item(), 5), finite=bool(hg.grads_finite(grads)), seconds=round(time.perf_counter() - t0, 2),
-                largest_output=engine.scaler.peak, passed=cos[worst] >= 0.999)
+    return l.item(), grads, loss.item(), {k: p.grad for k, p in model.named_parameters()}, engine
+
+
+def gradients(ctx):
+    """The chained programs (Core ML on macOS, the NumPy evaluator elsewhere) against fp64
+    autograd on one random microbatch, judged by judge_gradients."""
+    t0 = time.perf_counter()
+    loss, grads, ref_loss, ref, engine = gradient_pair(ctx)
+    return judge_gradients(grads, ref) | dict(
+        loss=round(loss, 5), reference_loss=round(ref_loss, 5), finite=bool(hg.grads_finite(grads)),
+        seconds=round(time.perf_counter() - t0, 2), largest_output=engine.scaler.peak)
+
+
+def judge_gradients(grads, ref):
+    """tools/gradcheck at fp16's tolerances: each tensor's cosine and norm ratio, each q/k/v
+    third of c_attn apart (the key bias's exact gradient is 0, softmax ignores a shift:
+    gradcheck leaves it out), and the worst per layer (a table's error shows in every layer
+    alike, a derivation bug in one kind of part). 'passed' when no part fails."""
+    rows = gradcheck.compare(grads, ref)
+    bad = gradcheck.failures(rows, *gradcheck.TOLERANCE[torch.float16])
+    worst = min(rows, key=lambda p: p.cosine)
+    norm = max(rows, key=lambda p: abs(p.norm_ratio - 1))
+    layers = {('other' if k is None else f'h{k}'): dict(worst_cosine=round(c, 6), worst_norm_error=round(n, 6))
+              for k, (c, n) in gradcheck.by_layer(rows).items()}
+    return dict(worst_cosine=round(worst.cosine, 6), worst=worst.name, worst_norm_ratio=round(norm.norm_ratio, 6),
+                worst_norm=norm.name, per_layer=layers, failures=[p.name for p in bad][:10], passed=not bad)
 
 
 def concurrency(ctx, watts=False):
