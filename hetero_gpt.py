@@ -45,7 +45,7 @@ from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in t
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, the ANE's limits
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
-from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW, MILTensor  # the ANE's limits; a MIL variable with + - * /
+from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # the ANE's limits
 from plumbing.settings import ON_MAC, UserError, check_batch, setting  # macOS?; a user's error; the batch check; a flag
 
 # -----------------------------------------------------------------------------
@@ -248,7 +248,7 @@ def gpt_param_shapes(cfg):
 #   wte_{j}         vocabulary chunk j of the LM head   wte_tgt  the target rows, wte[targets]
 #   lnf_w, lnf_b    the final layernorm                 loss_scale
 #   x, dy, y        a piece's input, its gradient, its output (per block)
-#   d_{name}        the gradient of input name          peak_{i} a matmul's largest |value|
+#   d_{name}        the gradient of input name          peaks    matmul results' largest |value|s
 
 GELU_K = math.sqrt(2.0 / math.pi)
 
@@ -604,52 +604,52 @@ def grads_finite(grads):
 ANE_PIECES = ('block_forward', 'head', 'block_backward')
 
 
+@dataclass
+class MILTensor:
+    """A MIL variable whose + - * / record MIL ops; Python floats become fp16 constants."""
+    var: object
+    shape = property(lambda self: tuple(self.var.shape))
+
+    def binary(self, op, other, swap=False):
+        from coremltools.converters.mil import Builder as mb
+        y = other.var if isinstance(other, MILTensor) else np.float16(other)
+        return MILTensor(getattr(mb, op)(x=y if swap else self.var, y=self.var if swap else y))
+
+    def __add__(self, o): return self.binary('add', o)
+    def __radd__(self, o): return self.binary('add', o, swap=True)
+    def __sub__(self, o): return self.binary('sub', o)
+    def __rsub__(self, o): return self.binary('sub', o, swap=True)
+    def __mul__(self, o): return self.binary('mul', o)
+    def __rmul__(self, o): return self.binary('mul', o, swap=True)
+    def __truediv__(self, o): return self.binary('real_div', o)
+    def __rtruediv__(self, o): return self.binary('real_div', o, swap=True)
+    def __neg__(self): return self.binary('mul', -1.0)
+
+
 class MILOps(Derivation):
-    """MIL backend of the derivation, every op one the ANE runs (coreml_and_ane.md section 2); P is kept."""
+    """MIL backend of the derivation, every op one the ANE runs (coreml_and_ane.md section 2)."""
 
     def __init__(self):
-        from coremltools.converters.mil import Builder as mb
-        self.mb, self.products = mb, []
+        self.mb = settings.import_coremltools().converters.mil.Builder
 
-    def _u(self, op, x, **kw):
-        return MILTensor(getattr(self.mb, op)(x=x.v, **kw))
+    def unary(self, op, x, **kw):
+        return MILTensor(getattr(self.mb, op)(x=x.var, **kw))
 
     def matmul(self, a, b, ta=False, tb=False):
-        self.products.append(MILTensor(self.mb.matmul(x=a.v, y=b.v, transpose_x=ta, transpose_y=tb)))
-        return self.products[-1]
+        return MILTensor(self.mb.matmul(x=a.var, y=b.var, transpose_x=ta, transpose_y=tb))
 
-    def peaks(self, outputs):
-        """{'peak_i': the largest |value| of each matmul result the outputs depend on}. The
-        ANE's matmuls saturate near 32752 instead of giving inf (coreml_and_ane.md section 2),
-        and a saturated value can vanish (in a softmax) before any output shows it."""
-        live, todo = set(), [o.v for o in outputs]
-        while todo:  # the variables the outputs depend on (the rest is dead and removed)
-            v = todo.pop()
-            if id(v) not in live and v.op is not None:
-                live.add(id(v))
-                todo += [u for x in v.op.inputs.values() for u in (x if isinstance(x, (list, tuple)) else [x])]
-        seen = {id(o.v) for o in outputs}
-        return {f'peak_{i}': MILTensor(self.mb.reduce_max(x=self.mb.abs(x=y.v), axes=list(range(len(y.shape))),
-                                                          keep_dims=True))
-                for i, y in enumerate(y for y in self.products if id(y.v) in live and id(y.v) not in seen)}
-
-    def exp(self, x): return self._u('exp', x)
-    def log(self, x): return self._u('log', x)
-    def tanh(self, x): return self._u('tanh', x)
-    def rsqrt(self, x): return self._u('rsqrt', x)
-    def max(self, x, axis): return self._u('reduce_max', x, axes=[axis], keep_dims=True)
-    def softmax(self, x, axis): return self._u('softmax', x, axis=axis)
-    def reshape(self, x, shape): return self._u('reshape', x, shape=list(shape))
-    def transpose(self, x, perm): return self._u('transpose', x, perm=list(perm))
-
-    def maximum(self, a, b): return a._bin('maximum', b)
+    exp, log, tanh, rsqrt = (lambda self, x, op=op: self.unary(op, x) for op in ('exp', 'log', 'tanh', 'rsqrt'))
+    def max(self, x, axis): return self.unary('reduce_max', x, axes=[axis], keep_dims=True)
+    def softmax(self, x, axis): return self.unary('softmax', x, axis=axis)
+    def reshape(self, x, shape): return self.unary('reshape', x, shape=list(shape))
+    def transpose(self, x, perm): return self.unary('transpose', x, perm=list(perm))
+    def maximum(self, a, b): return a.binary('maximum', b)
 
     # The ANE's reduce_sum accumulates in fp16, its matmul wide (coreml_and_ane.md section 2).
     # So a sum is a matmul with a constant vector c: x @ c over the last axis, c^T x over rows.
     # c = 1 sums; c = 1/n means, inside the wide sum, so no partial sum leaves fp16's range.
     def _dot(self, x, axis, c):
-        n = x.shape[axis]
-        vec = MILTensor(self.mb.const(val=np.full((1, n) if axis == 0 else (n, 1), c, np.float16)))
+        vec = MILTensor(self.mb.const(val=np.full((1, x.shape[0]) if axis == 0 else (x.shape[axis], 1), c, np.float16)))
         return self.matmul(vec, x) if axis == 0 else self.matmul(x, vec)
 
     def sum(self, x, axis, keep=True):
@@ -665,7 +665,7 @@ class MILOps(Derivation):
         # xs = xc/s: xhat = xs r, r = rsqrt(mean(xs^2) + e^2), e = sqrt(eps)/s; rstd = r/s.
         # The cache is the derivation's (xhat, rstd): its layernorm_backward serves unchanged.
         xc = x - self.mean(x, -1)
-        s = self.maximum(self.max(self._u('abs', xc), -1), 2.0 ** -14)
+        s = self.maximum(self.max(self.unary('abs', xc), -1), 2.0 ** -14)
         xs, e = xc / s, math.sqrt(eps) / s
         r = self.rsqrt(self.mean(xs * xs, -1) + e * e)
         xhat = xs * r
@@ -715,7 +715,7 @@ def mil_program(fn, shapes):
     placeholders = {k: mb.placeholder(shape=s, dtype=types.fp16) for k, s in shapes.items()}
     with Function(placeholders, opset_version=ct.target.macOS13) as f:
         out = fn(MILOps(), **{k: MILTensor(v) for k, v in f.inputs.items()})
-        f.set_outputs([mb.identity(x=v.v, name=k) for k, v in out.items()])
+        f.set_outputs([mb.identity(x=v.var, name=k) for k, v in out.items()])
     prog = Program()
     prog.add_function('main', f)
     return prog
@@ -723,12 +723,12 @@ def mil_program(fn, shapes):
 
 def build_coreml_program(cfg, B, T, piece='step'):
     """run_piece(MILOps) as a MIL Program: fp16 inputs piece_input_shapes(cfg, B, T, piece),
-    fp16 outputs by run_piece's names, and the peaks (MILOps.peaks)."""
+    fp16 outputs by run_piece's names, and 'peaks' (programs.peaks: the overflow check)."""
     programs.check_shapes(B, T, cfg.block_size)
 
     def fn(ops, **inp):
         out = run_piece(ops, cfg, B, T, piece, inp)
-        return out | ops.peaks(list(out.values()))
+        return out | {k: MILTensor(v) for k, v in programs.peaks([v.var for v in out.values()], piece).items()}
     return mil_program(fn, piece_input_shapes(cfg, B, T, piece))
 
 
@@ -815,7 +815,7 @@ class CoreMLEngine(Engine):
         def run(piece, inputs):  # one program; the largest |value| of each output noted
             out = self.predict(piece, inputs)
             peaks.extend(float(np.max(np.abs(v))) for v in out.values())
-            return {k: v for k, v in out.items() if not k.startswith('peak_')}
+            return {k: v for k, v in out.items() if k != 'peaks'}
         out = run('step', self.inputs) if self.pieces == ('step',) else self._chain(run)
         peak = float(np.max(peaks))  # nan if any output holds a nan
         self.scaler.peak = max(self.scaler.peak, peak)

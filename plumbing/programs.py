@@ -42,31 +42,82 @@ OFF_ANE_OPS = {'gather', 'gather_nd', 'gather_along_axis', 'scatter', 'scatter_n
 ELEMENTWISE_FLOPS = {'softmax': 5}  # max, subtract, exp, sum, divide per element
 
 
-class MILTensor:
-    """A MIL variable whose + - * / record MIL ops; Python floats become fp16 constants."""
+def _inputs(op):
+    return [u for v in op.inputs.values() for u in (v if isinstance(v, (list, tuple)) else [v])]
 
-    def __init__(self, var):
-        self.v = var
 
-    @property
-    def shape(self):
-        return tuple(self.v.shape)
+def peaks(outputs, piece):
+    """The overflow bookkeeping of a program: {'peaks': one fp16 vector whose largest |value|
+    is at least that of every matmul result which could saturate unseen}, or {}. The ANE's matmuls
+    saturate near 32752 instead of giving inf (coreml_and_ane.md section 2), and a saturated
+    value can vanish (in a softmax) before any output shows it. The host reads every output,
+    this vector included, and counts |value| >= ANE_OVERFLOW (2^14) as an overflow.
 
-    def _bin(self, op, other, swap=False):
-        from coremltools.converters.mil import Builder as mb
-        y = other.v if isinstance(other, MILTensor) else np.float16(other)
-        x, y = (y, self.v) if swap else (self.v, y)
-        return MILTensor(getattr(mb, op)(x=x, y=y))
+    A live matmul result y (dead ones are removed by the converter) is checked unless the
+    arithmetic bounds it:
+    - y is an output, or reshaped into one: the host reads it.
+    - y does not depend on the input dy in block_backward (its recomputed forward): the
+      program block_forward checked the same values, from the same inputs.
+    - y is a mean (a matmul with a constant 1/n) of an input, of a sum (x + attention's
+      checked output), or of squares of values scaled into [-1, 1] (layernorm's forward):
+      a mean is at most its largest term, below 2^15.
+    - y sums exp(z - rowmax z): at most n terms of at most 1, n <= 16384.
+    - y is a sum over the last axis of a * softmax (the softmax backward's row sum), or
+      softmax @ v: weights that sum to 1 per row, so |y| <= max |a| or max |v|, both checked.
+    - y feeds only its row max, exp and softmax (the logits): the row max is checked
+      instead, N values, not N x V. A row max below 2^14 leaves no value to saturate above;
+      a value saturated at -32752 lies > 16000 below it, where exp gives 0 either way.
+    Each check is |.| reduced over every axis but the last: the host reduces the rest."""
+    from coremltools.converters.mil import Builder as mb
+    block, live, todo = outputs[0].op.enclosing_block, {}, [v.op for v in outputs if v.op is not None]
+    while todo:  # the ops the outputs depend on
+        op = todo.pop()
+        if id(op) not in live:
+            live[id(op)] = op
+            todo += [u.op for u in _inputs(op) if u.op is not None]
+    after = 'dy' if piece == 'block_backward' else None
+    fresh, order = {after}, {}
+    for i, op in enumerate(block.operations):  # the variables that depend on the input `after`
+        order[id(op)] = i
+        if any(u.name in fresh for u in _inputs(op)):
+            fresh |= {v.name for v in op.outputs}
+    out_names = {v.name for v in outputs}
+    kind = lambda v: v.op.op_type if v.op is not None else 'input'
+    users = lambda v: [op for op in v.child_ops if id(op) in live]
 
-    def __add__(self, o): return self._bin('add', o)
-    def __radd__(self, o): return self._bin('add', o, swap=True)
-    def __sub__(self, o): return self._bin('sub', o)
-    def __rsub__(self, o): return self._bin('sub', o, swap=True)
-    def __mul__(self, o): return self._bin('mul', o)
-    def __rmul__(self, o): return self._bin('mul', o, swap=True)
-    def __truediv__(self, o): return self._bin('real_div', o)
-    def __rtruediv__(self, o): return self._bin('real_div', o, swap=True)
-    def __neg__(self): return self._bin('mul', -1.0)
+    def read(v):  # an output, or reshaped only into outputs
+        return v.name in out_names or (bool(users(v)) and all(
+            op.op_type == 'reshape' and read(op.outputs[0]) for op in users(v)))
+
+    def bounded(op, y):
+        x, w = op.inputs['x'], op.inputs['y']
+        if x.val is not None or w.val is not None:  # a sum or mean: a constant vector c
+            c, a = (x, w) if x.val is not None else (w, x)
+            mean = not np.all(c.val == 1)
+            square = kind(a) == 'mul' and a.op.inputs['x'] is a.op.inputs['y']
+            return ((mean and (kind(a) in ('input', 'add') or square))
+                    or (kind(a) == 'exp' and c.val.size < ANE_MATMUL_MAX)
+                    or (kind(a) == 'mul' and c is w and 'softmax' in (kind(a.op.inputs['x']), kind(a.op.inputs['y']))))
+        return kind(x) == 'softmax' and not op.inputs['transpose_x'].val
+
+    def row_max(y):  # the row max of y (or of y + a constant) if y feeds only it, exp and softmax
+        vs = [y] + [op.outputs[0] for op in users(y) if op.op_type == 'add' and op.inputs['y'].val is not None]
+        ops = [op for v in vs for op in users(v) if op.op_type != 'add' or op.outputs[0] not in vs]
+        maxes = [op for op in ops if op.op_type == 'reduce_max' and list(op.inputs['axes'].val) in ([-1], [y.rank - 1])]
+        if maxes and all(op.op_type in ('reduce_max', 'sub', 'softmax') for op in ops):
+            return maxes[0].outputs[0]
+        return None
+
+    checks = []
+    for op in sorted((o for o in live.values() if o.op_type == 'matmul'), key=lambda o: order[id(o)]):
+        y = op.outputs[0]
+        if read(y) or (after and y.name not in fresh) or bounded(op, y):
+            continue
+        v = row_max(y) or y
+        checks.append(mb.reduce_max(x=mb.abs(x=v), axes=list(range(v.rank - 1)), keep_dims=False))
+    if len(checks) > 1:
+        return {'peaks': mb.concat(values=checks, axis=0)}
+    return {'peaks': checks[0]} if checks else {}
 
 
 def check_shapes(B, T, block_size):
@@ -130,6 +181,23 @@ def live_bytes(f):
     return peak
 
 
+def _needs(outputs):
+    """The ids of every op these variables depend on."""
+    seen, todo = set(), [v.op for v in outputs]
+    while todo:
+        op = todo.pop()
+        if op is not None and id(op) not in seen:
+            seen.add(id(op))
+            todo += [u.op for u in _inputs(op)]
+    return seen
+
+
+def peak_ops(f):
+    """The ops (not constants) of function f that only its 'peaks' output needs: the overflow bookkeeping."""
+    only = _needs([v for v in f.outputs if v.name == 'peaks']) - _needs([v for v in f.outputs if v.name != 'peaks'])
+    return [op for op in f.operations if id(op) in only and op.op_type != 'const']
+
+
 def program_report(prog):
     """What is in one program, computed from the program itself (the saved one, read back)."""
     f = prog.functions['main']
@@ -139,7 +207,8 @@ def program_report(prog):
     dims += [d for v in f.inputs.values() for d in v.shape]
     ranks = [len(v.shape) for op in f.operations for v in op.outputs if hasattr(v, 'shape')]
     nbytes = lambda vs: sum(int(np.prod(v.shape)) * 2 for v in vs)  # fp16: 2 bytes an element
-    return dict(ops=len(ops), op_types=dict(kinds.most_common()), flops=sum(op_flops(op) for op in ops),
+    return dict(ops=len(ops), outputs=len(f.outputs), peak_ops=len(peak_ops(f)), op_types=dict(kinds.most_common()),
+                flops=sum(op_flops(op) for op in ops),
                 matmul_flops=sum(op_flops(op) for op in ops if op.op_type == 'matmul' and not is_sum(op)),
                 sum_flops=sum(op_flops(op) for op in ops if is_sum(op)),
                 bytes_in=nbytes(f.inputs.values()), bytes_out=nbytes(f.outputs), live_bytes=live_bytes(f),
@@ -158,7 +227,7 @@ def check_ane_limits(reports, B):
                             f"call, past the ANE's {ANE_MEMORY / 2**30:.2f} GiB: use a smaller --ane_batch_size")
 
 
-PROGRAM_FORMAT = 7  # bump when a program changes
+PROGRAM_FORMAT = 8  # bump when a program changes
 META = 'heterogpt.json'
 
 
@@ -374,7 +443,20 @@ def load_coreml_program(path):
                          file_weights_dir=model.weights_dir or '')
 
 
-def numpy_predict(prog, ane=False):
+# The ANE's functions by lookup table (coreml_and_ane.md section 2): the relative error each
+# carries in numpy_predict's ANE mode. Published: about half an fp16 ulp (2^-12) for the
+# activation tables; none per function. Imitated at one ulp, 2^-10, twice that.
+LUT_ERROR = dict.fromkeys(('exp', 'log', 'tanh', 'rsqrt', 'softmax'), 2.0 ** -10)
+
+
+def lut_error(x, size):
+    """A relative error in [-size, size) that is a fixed function of each input's fp16 bits, as
+    a table's error is: the same input always gives the same error, neighbours unrelated."""
+    bits = np.asarray(x, np.float16).view(np.uint16).astype(np.uint32)
+    return size * (((bits * 2654435761) >> 16 & 0xFFFF).astype(np.float32) / 32768 - 1)
+
+
+def numpy_predict(prog, ane=False, lut=None):
     """A stand-in for Core ML's predict off macOS: evaluates the program op by op in NumPy,
     each op's result rounded to the dtype the program declares (fp16 here), through the
     ops' own value_inference, each value freed after its last reader. Slow; for checks, not training.
@@ -384,10 +466,12 @@ def numpy_predict(prog, ane=False):
     above: reduce_sum and reduce_mean add the terms one after another along the axis in fp16
     (every partial sum rounded: the worst case of a narrow accumulator; the mean divides that
     sum by n), and no result overflows to inf: matmul outputs saturate at +-ANE_MATMUL_MAX,
-    every other op's at +-65504."""
+    every other op's at +-65504; and the lookup tables are inexact: {op: relative error}
+    (lut_error of the op's input), LUT_ERROR unless given; lut={} computes them exactly."""
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import Function, types
     f = prog.functions['main']
+    lut = (LUT_ERROR if lut is None else lut) if ane else {}
 
     def plain(v):  # NumPy 2: loaded bool params are np.bool_, which reductions reject
         return bool(v) if isinstance(v, np.bool_) or (isinstance(v, np.ndarray) and v.dtype == np.bool_ and v.ndim == 0) else v
@@ -438,6 +522,8 @@ def numpy_predict(prog, ane=False):
                     res = tuple(o.val for o in (new if isinstance(new, (list, tuple)) else [new]))
                     if any(r is None for r in res):
                         raise NotImplementedError(f"no NumPy evaluation for MIL op {op.op_type}")
+                    if lut.get(op.op_type):  # the table's error, a function of the input
+                        res = (res[0] * (1 + lut_error(kw['x'], lut[op.op_type])),)
                 for o, r in zip(op.outputs, res):
                     env[o.name] = r = np.asarray(r).astype(types.nptype_from_builtin(o.dtype))
                     made += r.nbytes
@@ -454,9 +540,9 @@ def numpy_predict(prog, ane=False):
     return predict
 
 
-def numpy_programs(programs, pieces, ane=False):
+def numpy_programs(programs, pieces, ane=False, lut=None):
     """predict(piece, inputs) -> outputs: the saved programs in numpy_predict (off macOS)."""
-    fns = {p: numpy_predict(load_coreml_program(program_path(programs, p)), ane) for p in pieces}
+    fns = {p: numpy_predict(load_coreml_program(program_path(programs, p)), ane, lut) for p in pieces}
     return lambda piece, inputs: fns[piece](inputs)
 
 

@@ -29,6 +29,7 @@ from plumbing.energy import powermetrics_readable  # defines: powermetrics_reada
 from plumbing import programs as coreml_programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
 from plumbing import settings  # defines: one_line, check_coreml, import_coremltools
 from plumbing import worker  # defines: WorkerEngine, exit_text
+from tools import gradcheck  # defines: compare, failures, by_layer, TOLERANCE
 
 # (name, needs macOS, what it finds out)
 STAGES = (('environment', False, "macOS, chip, memory, versions, MPS, powermetrics"),
@@ -207,27 +208,49 @@ def environment(ctx):
 
 def probes(ctx):
     """macOS: tiny programs on CPU_AND_NE for what the design relies on (coreml_and_ane.md
-    sections 2, 3), saved in a folder of their own."""
+    sections 2, 3), saved in a folder of their own. Those with a reference report their
+    largest error relative to the reference's largest |value| (fp16: a few 4.9e-4)."""
     import shutil
     import tempfile
     ct = settings.import_coremltools()
-    cfg, N = hg.GPTConfig(**ctx['cfg']), ctx['B'] * ctx['T']
-    C, V = cfg.n_embd, hg.vocab_chunks(cfg.vocab_size)[0]
+    cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
+    N, C, H = B * T, cfg.n_embd, cfg.n_head
+    V = hg.vocab_chunks(cfg.vocab_size)[0]
     rng = np.random.default_rng(0)
-    cases = {  # name: (fn of MILOps and inputs -> outputs, inputs)
+    mb = lambda: settings.import_coremltools().converters.mil.Builder
+    peak = lambda o, x, axes: hg.MILTensor(mb().reduce_max(x=mb().abs(x=x.var), axes=axes, keep_dims=False))
+    q, k = (rng.standard_normal((B, H, T, C // H)) for _ in range(2))
+    cases = {  # name: (fn of MILOps and inputs -> outputs, inputs, fp64 reference of y or None)
         'matmul, both operands inputs': (lambda o, x, w: {'y': o.matmul(x, w, tb=True)},
-                                        dict(x=rng.standard_normal((N, C)), w=rng.standard_normal((4 * C, C)) / 30)),
-        'long sum as reduce_sum': (lambda o, x: {'y': hg.MILTensor(o.mb.reduce_sum(x=x.v, axes=[0], keep_dims=True))},
-                                   dict(x=rng.standard_normal((N, C)) * 0.01 + 0.005)),
-        'long sum as a matmul with ones': (lambda o, x: {'y': o.sum(x, 0)}, dict(x=rng.standard_normal((N, C)) * 0.01 + 0.005)),
-        'softmax over a vocabulary chunk': (lambda o, z: {'y': o.softmax(z, -1)}, dict(z=rng.standard_normal((64, V)) * 2)),
-        'overflow, then a multiply': (lambda o, x: {'y': (x * 1000.0) * 0.0}, dict(x=np.full((8, 8), 100.0))),
+                                        dict(x=rng.standard_normal((N, C)), w=rng.standard_normal((4 * C, C)) / 30), None),
+        'long sum as reduce_sum': (lambda o, x: {'y': hg.MILTensor(o.mb.reduce_sum(x=x.var, axes=[0], keep_dims=True))},
+                                   dict(x=rng.standard_normal((N, C)) * 0.01 + 0.005), lambda x: x.sum(0)),
+        'long sum as a matmul with ones': (lambda o, x: {'y': o.sum(x, 0)}, dict(x=rng.standard_normal((N, C)) * 0.01 + 0.005),
+                                           lambda x: x.sum(0, keepdims=True)),
+        'softmax over a vocabulary chunk': (lambda o, z: {'y': o.softmax(z, -1)}, dict(z=rng.standard_normal((64, V)) * 2), None),
+        'overflow, then a multiply': (lambda o, x: {'y': (x * 1000.0) * 0.0}, dict(x=np.full((8, 8), 100.0)), None),
         'layernorm of rows of RMS ~1000': (lambda o, x, w, b: {'y': o.layernorm_forward(x, w, b)[0]},
-                                           dict(x=rng.standard_normal((32, C)) * 1000 + 300, w=np.ones(C), b=np.zeros(C))),
+                                           dict(x=rng.standard_normal((32, C)) * 1000 + 300, w=np.ones(C), b=np.zeros(C)), None),
+        # what the overflow bookkeeping (programs.peaks) relies on, at the real shapes
+        'batch-B rank-4 matmul of two inputs (scores)': (lambda o, q, k: {'y': o.matmul(q, k, tb=True)}, dict(q=q, k=k),
+                                                         lambda q, k: q @ np.swapaxes(k, -1, -2)),
+        'peaks: max |x| over all axes but the last of (B,H,T,T)': (
+            lambda o, s: {'y': peak(o, s, [0, 1, 2])}, dict(s=rng.standard_normal((B, H, T, T)) * 30),
+            lambda s: np.abs(s).max((0, 1, 2))),
+        'peaks: row max of a vocabulary chunk, its max |.| over rows': (
+            lambda o, z: {'y': peak(o, o.max(z, -1), [0])}, dict(z=rng.standard_normal((N, V)) * 3 - 2),
+            lambda z: np.abs(z.max(-1, keepdims=True)).max(0)),
+        'peaks: concat of vectors into one output': (
+            lambda o, a, b, c: {'y': hg.MILTensor(mb().concat(values=[peak(o, a, [0]).var, peak(o, b, [0]).var,
+                                                                      peak(o, c, [0]).var], axis=0))},
+            dict(a=rng.standard_normal((N, C)), b=rng.standard_normal((N, 4 * C)), c=rng.standard_normal((N, 1))),
+            lambda a, b, c: np.concatenate([np.abs(v).max(0) for v in (a, b, c)])),
+        '(N,1) x (N,C) broadcast': (lambda o, x, r: {'y': x * r}, dict(x=rng.standard_normal((N, C)), r=rng.random((N, 1))),
+                                    lambda x, r: x * r),
     }
     out, folder = {}, tempfile.mkdtemp(prefix='heterogpt-probes-')
     try:
-        for name, (fn, inputs) in cases.items():
+        for name, (fn, inputs, ref) in cases.items():
             inputs = {k: v.astype(np.float16).astype(np.float32) for k, v in inputs.items()}
             prog = hg.mil_program(fn, {k: v.shape for k, v in inputs.items()})
             path = os.path.join(folder, f'probe{len(out)}.mlpackage')
@@ -238,9 +261,9 @@ def probes(ctx):
             y = coreml_programs.coreml_predict(m, inputs)['y']
             rec = dict(ms=m.last_predict_duration_in_nano_seconds / 1e6, finite=bool(np.isfinite(y).all()),
                        placement=coreml_programs.macos_placement(m.get_compiled_model_path()))
-            if name.startswith('long sum'):
-                exact = inputs['x'].astype(np.float64).sum(0)
-                rec['relative_error'] = float(np.abs(y.reshape(-1) - exact).max() / np.abs(exact).max())
+            if ref is not None:
+                exact = ref(**{k: v.astype(np.float64) for k, v in inputs.items()})
+                rec['relative_error'] = float(np.abs(np.asarray(y).reshape(exact.shape) - exact).max() / np.abs(exact).max())
             if name.startswith('overflow'):
                 rec['values'] = sorted({str(v) for v in np.asarray(y).reshape(-1)})[:3]  # IEEE: nan (inf * 0)
             out[name] = rec
@@ -268,7 +291,8 @@ def programs(ctx):
                 live_mib=round(st['live_bytes'] / 2**20), largest_dim=st['largest_dim'],
                 off_ane=sorted({k for r in reports.values() for k in r['off_ane']}),
                 matmul_ratio=round(st['matmul_flops'] / st['analytic_matmul_flops'], 4),
-                per_program={p: {k: r[k] for k in ('ops', 'flops', 'bytes_in', 'bytes_out', 'live_bytes', 'largest_dim')}
+                per_program={p: {k: r[k] for k in ('ops', 'outputs', 'peak_ops', 'flops', 'bytes_in', 'bytes_out',
+                                                   'live_bytes', 'largest_dim')}
                              for p, r in reports.items()})
 
 
@@ -304,9 +328,10 @@ def coreml(ctx):
     return out
 
 
-def gradients(ctx):
-    """The chained programs (Core ML on macOS, the NumPy evaluator elsewhere) against fp64
-    autograd on one random microbatch: the worst cosine over every parameter's gradient."""
+def gradient_pair(ctx):
+    """(the chained programs' loss and gradients, fp64 autograd's) on one random microbatch.
+    Core ML on macOS; elsewhere the NumPy evaluator in its ANE mode, its tables' errors
+    ctx['lut'] ({op: relative error}; programs.LUT_ERROR if absent)."""
     cfg, B, T = hg.GPTConfig(**ctx['cfg']), ctx['B'], ctx['T']
     torch.manual_seed(0)
     model = hg.GPT(cfg).double()
@@ -317,15 +342,36 @@ def gradients(ctx):
         l64.backward()
         loss += l64.detach()
     engine = hg.ane_engine(dict(programs=ctx['out']), hg.LossScaler(hg.Config.ane_loss_scale, 0))
+    if not hg.ON_MAC:
+        engine.predict = coreml_programs.numpy_programs(ctx['out'], engine.pieces, ane=True, lut=ctx.get('lut'))
     engine.load_weights(dict(model.named_parameters()))
-    t0 = time.perf_counter()
     l, grads = engine.loss_and_grads(idx, targets)
-    cos = {k: torch.nn.functional.cosine_similarity(grads[k].double().flatten(), p.grad.flatten(), dim=0).item()
-           for k, p in model.named_parameters() if not k.endswith('attn.c_attn.bias')}  # (its key third is 0)
-    worst = min(cos, key=cos.get)
-    return dict(worst_cosine=round(cos[worst], 6), worst=worst, loss=round(l.item(), 5),
-                reference_loss=round(loss.item(), 5), finite=bool(hg.grads_finite(grads)), seconds=round(time.perf_counter() - t0, 2),
-                largest_output=engine.scaler.peak, passed=cos[worst] >= 0.999)
+    return l.item(), grads, loss.item(), {k: p.grad for k, p in model.named_parameters()}, engine
+
+
+def gradients(ctx):
+    """The chained programs (Core ML on macOS, the NumPy evaluator elsewhere) against fp64
+    autograd on one random microbatch, judged by judge_gradients."""
+    t0 = time.perf_counter()
+    loss, grads, ref_loss, ref, engine = gradient_pair(ctx)
+    return judge_gradients(grads, ref) | dict(
+        loss=round(loss, 5), reference_loss=round(ref_loss, 5), finite=bool(hg.grads_finite(grads)),
+        seconds=round(time.perf_counter() - t0, 2), largest_output=engine.scaler.peak)
+
+
+def judge_gradients(grads, ref):
+    """tools/gradcheck at fp16's tolerances: each tensor's cosine and norm ratio, each q/k/v
+    third of c_attn apart (the key bias's exact gradient is 0, softmax ignores a shift:
+    gradcheck leaves it out), and the worst per layer (a table's error shows in every layer
+    alike, a derivation bug in one kind of part). 'passed' when no part fails."""
+    rows = gradcheck.compare(grads, ref)
+    bad = gradcheck.failures(rows, *gradcheck.TOLERANCE[torch.float16])
+    worst = min(rows, key=lambda p: p.cosine)
+    norm = max(rows, key=lambda p: abs(p.norm_ratio - 1))
+    layers = {('other' if k is None else f'h{k}'): dict(worst_cosine=round(c, 6), worst_norm_error=round(n, 6))
+              for k, (c, n) in gradcheck.by_layer(rows).items()}
+    return dict(worst_cosine=round(worst.cosine, 6), worst=worst.name, worst_norm_ratio=round(norm.norm_ratio, 6),
+                worst_norm=norm.name, per_layer=layers, failures=[p.name for p in bad][:10], passed=not bad)
 
 
 def concurrency(ctx, watts=False):

@@ -1,0 +1,137 @@
+"""The ANE programs' overflow bookkeeping (programs.peaks): one 'peaks' output per program,
+checks only where a matmul result can saturate unseen, and a saturated value still drops
+the step. The ANE saturates instead of giving inf (coreml_and_ane.md section 2), imitated by
+programs.numpy_predict(ane=True)."""
+import numpy as np
+import pytest
+import torch
+
+import export_ane
+import hetero_gpt as hg
+import helpers
+from plumbing import programs
+
+pytest.importorskip('coremltools')
+
+
+def bookkeeping(path, piece):
+    """(ops, outputs, ops that only the peaks output needs, its checks) of a saved program."""
+    f = programs.load_coreml_program(programs.program_path(path, piece)).functions['main']
+    extra = programs.peak_ops(f)
+    return (len([op for op in f.operations if op.op_type != 'const']), len(f.outputs), extra,
+            sum(op.op_type == 'reduce_max' for op in extra))
+
+
+# What programs.peaks checks, per program, from its rules (the matmul results that can saturate unseen):
+# block_forward: q, k, v, the scores, attention's projection, the MLP's two (P v is an average of v).
+# head: each chunk's row max of the logits, the target logit, the final layernorm backward's two means.
+# block_backward (its forward was checked by block_forward): dg, dm, the projection's dy, dv, dP, dq,
+# dk, the three parts of d(ln_1 output), and both layernorms' backward means (two each).
+CHECKS = {'block_forward': 7, 'head': lambda chunks: chunks + 3, 'block_backward': 14}
+
+
+def test_one_peaks_output_and_only_the_checks(exported):
+    cfg = hg.GPTConfig(block_size=16, vocab_size=20000, n_layer=2, n_head=4, n_embd=32)  # two vocabulary chunks
+    path = exported(cfg, 3, 7)
+    chunks = len(hg.vocab_chunks(cfg.vocab_size)[1])
+    for piece in hg.ANE_PIECES:
+        n_ops, n_out, extra, checks = bookkeeping(path, piece)
+        want = CHECKS[piece](chunks) if callable(CHECKS[piece]) else CHECKS[piece]
+        # each check is abs + reduce_max; one concat; the output's identity
+        assert checks == want and len(extra) == 2 * want + 2, (piece, [op.op_type for op in extra])
+        outputs = hg.piece_input_shapes(cfg, 3, 7, piece)
+        assert n_out == {'block_forward': 2, 'head': len(outputs) + 1, 'block_backward': len(outputs)}[piece]
+
+
+@pytest.mark.slow
+def test_bookkeeping_counts_at_the_macs_defaults(tmp_path):
+    # GPT-2 124M at 2x1024 tokens a call (the Mac's ANE microbatch): the ops and outputs of each
+    # program, and the bookkeeping's share; 4 vocabulary chunks
+    path = str(tmp_path / 'p')
+    export_ane.export_programs(hg.GPTConfig(), 2, 1024, path)
+    counts = {p: bookkeeping(path, p) for p in hg.ANE_PIECES}
+    print({p: (n, out, len(extra)) for p, (n, out, extra, _) in counts.items()})
+    assert {p: (n, out, len(extra)) for p, (n, out, extra, _) in counts.items()} == {
+        'block_forward': (83, 2, 16), 'head': (144, 10, 16), 'block_backward': (195, 18, 30)}
+
+
+def block_weights(cfg, model):
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    return {k[3:]: v.float().numpy() for k, v in hg.host_weights(params, cfg).items() if k.startswith('h0_')}
+
+
+def test_saturated_scores_show_only_in_the_peaks(exported):
+    # Query and key weights 2000x: q and k stay below 2^14 (~200), their dot products, the
+    # attention scores, pass 32752 and saturate in the ANE mode. The softmax hides that: y
+    # is finite and small, only 'peaks' reaches 2^14. In the engine the loss becomes inf (the
+    # step drops these gradients); with programs.peaks returning nothing, it passes unseen.
+    cfg, B, T = helpers.PROGRAMS['cfg'], helpers.PROGRAMS['B'], helpers.PROGRAMS['T']
+    torch.manual_seed(0)
+    model = hg.GPT(cfg)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight[:2 * cfg.n_embd].mul_(2000)
+    x = np.random.default_rng(0).standard_normal((B * T, cfg.n_embd)).astype(np.float32)
+    path = exported(**helpers.PROGRAMS)
+    out = programs.numpy_programs(path, ('block_forward',), ane=True)('block_forward', {'x': x} | block_weights(cfg, model))
+    assert np.isfinite(out['y']).all() and np.abs(out['y']).max() < programs.ANE_OVERFLOW
+    assert np.abs(out['peaks']).max() >= programs.ANE_OVERFLOW
+    idx, targets = (torch.randint(0, cfg.vocab_size, (B, T)) for _ in range(2))
+    engine = export_ane.open_programs(path, predict=programs.numpy_programs(path, hg.ANE_PIECES, ane=True))
+    engine.load_weights(dict(model.named_parameters()))
+    assert engine.loss_and_grads(idx, targets)[0].item() == float('inf')
+
+
+def test_without_the_peaks_the_saturation_passes(exported, monkeypatch, tmp_path):
+    # The same saturated scores, in programs exported without the check: every output stays
+    # below 2^14 and the engine reports a finite loss (what the check is for).
+    cfg, B, T = helpers.PROGRAMS['cfg'], helpers.PROGRAMS['B'], helpers.PROGRAMS['T']
+    monkeypatch.setattr(programs, 'peaks', lambda outputs, piece: {})
+    path = str(tmp_path / 'p')
+    export_ane.export_programs(cfg, B, T, path)
+    torch.manual_seed(0)
+    model = hg.GPT(cfg)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight[:2 * cfg.n_embd].mul_(2000)
+    engine = export_ane.open_programs(path, predict=programs.numpy_programs(path, hg.ANE_PIECES, ane=True))
+    engine.load_weights(dict(model.named_parameters()))
+    idx, targets = (torch.randint(0, cfg.vocab_size, (B, T)) for _ in range(2))
+    loss, grads = engine.loss_and_grads(idx, targets)
+    assert np.isfinite(loss.item()) and engine.scaler.peak < programs.ANE_OVERFLOW
+
+
+def row_sum_dropped(self, x, axis, keep=True):  # the softmax backward's row sum (the only 4-D sum) as 0
+    return ORIGINAL_SUM(self, x, axis, keep) if len(x.shape) < 4 else self._dot(x, axis, 0.0)
+
+
+def bias_sums_doubled(self, x, axis, keep=True):  # every sum over rows (the bias and norm gradients) x2
+    return ORIGINAL_SUM(self, x, axis, keep) if axis != 0 else self.reshape(self._dot(x, 0, 2.0), [x.shape[1]])
+
+
+ORIGINAL_SUM = hg.MILOps.sum
+GATE_CFG = hg.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128)
+
+
+@pytest.mark.parametrize('mutation', [None, row_sum_dropped, bias_sums_doubled])
+def test_the_gradient_gate_catches_what_a_whole_tensor_cosine_misses(mutation, monkeypatch, tmp_path):
+    # The self-check's gate (ane_check.gradients, judge_gradients) on programs with a defect, in the NumPy
+    # evaluator's ANE mode (its default tables' errors), against fp64 autograd. The old gate
+    # (worst cosine of whole tensors >= 0.999, c_attn's bias left out) passed both defects:
+    # the row sum dropped leaves the q and k thirds of c_attn wrong, 1% of the tensor's norm;
+    # doubled sums leave every direction right. The new gate fails both, passes the programs as they are.
+    from tools import ane_check
+    if mutation:
+        monkeypatch.setattr(hg.MILOps, 'sum', mutation)
+    path = str(tmp_path / 'p')
+    export_ane.export_programs(GATE_CFG, 2, 16, path)
+    monkeypatch.setattr(hg.MILOps, 'sum', ORIGINAL_SUM)
+    ctx = dict(cfg=GATE_CFG.__dict__, B=2, T=16, out=path)
+    _, grads, _, ref, _ = ane_check.gradient_pair(ctx)
+    old = min(torch.nn.functional.cosine_similarity(grads[k].double().flatten(), r.flatten(), dim=0).item()
+              for k, r in ref.items() if not k.endswith('attn.c_attn.bias'))
+    res = ane_check.judge_gradients(grads, ref)
+    assert old >= 0.999 and res['passed'] == (mutation is None), (old, res)
+    assert set(res['per_layer']) == {'other', 'h0', 'h1'}
+    if mutation is row_sum_dropped:  # q and k thirds, in every layer
+        assert {f'transformer.h.{l}.attn.c_attn.weight[{c}]' for l in (0, 1) for c in 'qk'} <= set(res['failures'])
+    if mutation is bias_sums_doubled:  # the norm ratio, at 2 (fp16 rounding aside: the tolerance is 2%)
+        assert abs(res['worst_norm_ratio'] - 2) < 0.02 and res['worst_cosine'] >= 0.999
