@@ -94,33 +94,42 @@ GPU_ENGINE = """
                     gradient_accumulation_steps=3)
     torch.manual_seed(0)
     model = hg.GPT(hg.model_config(cfg)).to('mps')
+    weights = {k: v.cpu() for k, v in model.state_dict().items()}
     data = np.random.default_rng(0).integers(0, 128, 5000).astype(np.uint16)
     mbs = hg.step_batches(cfg, data, 0)  # views of one (6, 33) batch, as the trainer makes them
-    r = hg.run_engine(hg.AutogradEngine(model, torch.device('mps'), torch.float32), mbs)
-    torch.save(dict(weights={k: v.cpu() for k, v in model.state_dict().items()}, batches=mbs,
-                    grads={k: v.cpu() for k, v in r['grads'].items()}, loss=r['loss']), sys.argv[-1])
+    engine = hg.AutogradEngine(model, torch.device('mps'), torch.float32)
+    step = hg.HeteroStep(model, {'gpu': engine}, hg.Split(3, '0'), optimizer=hg.make_optimizer(model, cfg, 'mps'))
+    out = step(mbs)  # the mean gradient into p.grad
+    grads = {k: v.cpu() for k, v in out['results']['gpu']['grads'].items()}
+    step.update(out)  # fused AdamW on MPS
+    torch.save(dict(weights=weights, batches=mbs, grads=grads, loss=out['loss'], on_device=step.on_device(),
+                    fused=[g['fused'] for g in step.optimizer.param_groups],
+                    updated={k: v.cpu() for k, v in model.state_dict().items()}), sys.argv[-1])
     print(json.dumps(dict(device=str(next(model.parameters()).device))))
 """
 
 
 def test_the_gpu_engine_on_mps_gets_the_batch_it_was_given(tmp_path):
-    # the GPU engine's sums over three microbatches on MPS against the same engine on the CPU from
-    # contiguous batches (blocking copies): the same arithmetic, so float32's tolerances
+    # a step of the GPU engine over three microbatches on MPS against the same step on the CPU
+    # from contiguous batches (blocking copies): the same arithmetic, so float32's tolerances;
+    # then fused AdamW's update on MPS, from the host's check of the gradients (MPS's skips no
+    # step by found_inf), against the CPU's
     r = mac(['-c', textwrap.dedent(GPU_ENGINE), str(tmp_path / 'mps.pt')], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     got = torch.load(tmp_path / 'mps.pt')
     cfg = hg.Config(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=128)
     model = hg.GPT(hg.model_config(cfg))
     model.load_state_dict(got['weights'])
-    ref = hg.run_engine(hg.AutogradEngine(model, torch.device('cpu'), torch.float32),
-                        [(x.contiguous(), y.contiguous()) for x, y in got['batches']])
-    assert abs(got['loss'] - ref['loss']) <= 1e-5 * ref['loss']  # fp32 sums of 3 losses of ~5
-    assert gradcheck.check(got['grads'], ref['grads'], torch.float32) == ''
-
-
-def mac_default_model(cfg=None):
-    """GPT-2 124M at the Mac's defaults (hetero, fp32, MPS)."""
-    return cfg or hg.Config(**hg.MAC_DEFAULTS)
+    step = hg.HeteroStep(model, {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32)}, hg.Split(3, '0'),
+                         optimizer=hg.make_optimizer(model, cfg, 'cpu'))
+    ref = step([(x.contiguous(), y.contiguous()) for x, y in got['batches']])
+    assert abs(got['loss'] - ref['loss']) <= 1e-6 * ref['loss']  # fp32: the mean of 3 losses of ~5
+    assert gradcheck.check(got['grads'], ref['results']['gpu']['grads'], torch.float32) == ''
+    step.update(ref)
+    assert got['fused'] == [True, True] and not got['on_device'] and step.on_device()
+    for k, v in model.state_dict().items():  # the same update: fp32 rounding at most
+        assert torch.allclose(got['updated'][k], v, rtol=1e-6, atol=1e-7), k
+    assert all(not torch.equal(got['updated'][k], got['weights'][k]) for k in got['weights'] if k.endswith('weight'))
 
 
 def test_memory_estimate_item_by_item_at_the_macs_defaults(monkeypatch):
