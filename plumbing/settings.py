@@ -111,8 +111,9 @@ def resolve_device(name, flag='--device'):
     if dev.type == 'cuda' and (dev.index or 0) >= torch.cuda.device_count():
         raise UserError(f"{flag} {name}: PyTorch sees {torch.cuda.device_count()} CUDA GPU(s) here")
     if dev.type == 'mps' and not torch.backends.mps.is_available():
-        raise mps_missing(name, flag) if ON_MAC and torch.backends.mps.is_built() else UserError(
-            f"{flag} {name}: MPS is not available here")
+        if ON_MAC and torch.backends.mps.is_built():
+            raise mps_missing(name, flag)
+        raise UserError(f"{flag} {name}: MPS is not available here")
     return dev
 
 

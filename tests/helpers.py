@@ -36,9 +36,9 @@ def rows(out_dir):
 
 
 def state(rows):
-    """The rows without what a run measures (its clock's rates and times, its meter's joules):
-    what two runs of the same steps must agree on."""
-    return [{k: v for k, v in r.items() if not k.endswith(('tokens_per_s', 'elapsed', 'joules_per_token'))}
+    """The rows without what a run measures (its clock's rates and times, its meter's joules, its
+    memory): what two runs of the same steps must agree on."""
+    return [{k: v for k, v in r.items() if not k.endswith(('tokens_per_s', 'elapsed', 'joules_per_token', 'memory'))}
             for r in rows]
 
 

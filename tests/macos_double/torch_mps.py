@@ -34,7 +34,7 @@ import threading
 import weakref
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 MPS = torch.device('mps', 0)  # as a real MPS tensor reports it
 aten = torch.ops.aten
@@ -106,23 +106,24 @@ class MPSTensor(torch.Tensor):
             if func in (aten._fused_adamw_.default, aten._fused_adam_.default):  # MPS's updates anyway
                 kwargs = dict(kwargs, found_inf=None)  # (coreml_and_ane.md section 6)
             if func is aten._to_copy.default and torch.device(kwargs.get('device') or MPS).type == 'cpu':
-                kwargs = dict(kwargs)
-                return args[0].inner.to(**{k: v for k, v in kwargs.items() if k != 'device'}, copy=True)
+                return func(args[0].inner, **{k: v for k, v in kwargs.items() if k != 'device'})  # to the host
             _same_device(func, args, kwargs)
-            owners = {}
-            def unwrap(t):
-                if isinstance(t, MPSTensor):
-                    owners[id(t.inner)] = t
-                    return t.inner
-                return t
-            out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-            def wrap(t):  # an op's result on the device; an input it returns (in place) is that input
-                return (owners[id(t)] if id(t) in owners else MPSTensor(t)) if type(t) is torch.Tensor else t
-            return tree_map(wrap, out)
+            owners = {id(t.inner): t for t in tree_leaves((args, kwargs)) if isinstance(t, MPSTensor)}
+            out = func(*tree_map(_inner, args), **tree_map(_inner, kwargs))
+            # a result on the device; an input the op returns (in place) is that input itself
+            return tree_map(lambda t: _outer(t, owners) if type(t) is torch.Tensor else t, out)
+
+
+def _inner(t):
+    return t.inner if isinstance(t, MPSTensor) else t
+
+
+def _outer(t, owners):
+    return owners[id(t)] if id(t) in owners else MPSTensor(t)
 
 
 def _same_device(func, args, kwargs):
-    flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    flat = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     if any(type(t) is torch.Tensor and t.device.type == 'cpu' and t.dim() > 0 for t in flat):
         raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                            f"mps:0 and cpu! ({func})")
@@ -193,10 +194,8 @@ def _untrack(key):
             _mem['cached'] += entry[0]
 
 
-def _empty(*args, **kwargs):  # factories on 'mps': the values in a CPU tensor
-    kwargs = dict(kwargs, device=torch.device('cpu'))
-    kwargs.pop('pin_memory', None)
-    return args, kwargs
+def _host(kwargs):  # a factory's arguments for 'mps', for its CPU tensor that holds the values
+    return {k: v for k, v in kwargs.items() if k != 'pin_memory'} | dict(device=torch.device('cpu'))
 
 
 def synchronize():
@@ -238,9 +237,9 @@ def factory(f):  # torch.tensor and torch.as_tensor with device='mps': made on t
 
 def install():
     lib = torch.library.Library('aten', 'IMPL')
-    lib.impl('empty.memory_format', lambda size, **kw: MPSTensor(torch.empty(size, **_empty(**kw)[1])), 'MPS')
-    lib.impl('empty_strided', lambda size, stride, **kw: MPSTensor(torch.empty_strided(size, stride, **_empty(**kw)[1])),
-             'MPS')
+    # factories on 'mps' (torch.zeros, empty_like, ...) reach these: the dispatcher's MPS key
+    lib.impl('empty.memory_format', lambda size, **kw: MPSTensor(torch.empty(size, **_host(kw))), 'MPS')
+    lib.impl('empty_strided', lambda size, stride, **kw: MPSTensor(torch.empty_strided(size, stride, **_host(kw))), 'MPS')
     install.lib = lib  # (registrations last as long as the library object)
     # torch.load(map_location='mps'): the values stay on the CPU; load_state_dict copies them over
     torch.serialization.register_package(15, lambda obj: None,
