@@ -332,8 +332,14 @@ assert new != path and not cached and not os.path.exists(path)
 assert not os.path.exists(gone) and os.path.exists(running)
 say('cache', sorted(os.listdir('c/compiled')))
 
-# the compute plan
+# the compute plan; of a program with a gather, which the ANE has no unit for
 say('placement', programs.macos_placement(new))
+from coremltools.converters.mil import Builder as mb
+prog = hg.mil_program(lambda o, x: {'y': hg.MILTensor(mb.gather(x=x.v, indices=np.array([1, 0], np.int32), axis=0)) * 2.0},
+                      {'x': (2, 32)})
+ct.convert(prog, convert_to='mlprogram', minimum_deployment_target=ct.target.macOS13, skip_model_load=True).save('g.mlpackage')
+ct.utils.compile_model('g.mlpackage', 'g.mlmodelc')
+say('gather placement', programs.macos_placement('g.mlmodelc'))
 
 # the energy meter, with sudo rights granted; without them (the double's switch, read by its sudo)
 os.environ['MACOS_DOUBLE_SUDO'] = '1'
@@ -438,10 +444,14 @@ def test_compile_cache(parts):
 
 def test_placement(parts, monkeypatch):
     # on macOS 15.5 the compute plan names the ops Core ML puts on the CPU (here: abs, by the
-    # double's switch); before 14.4 there is none
+    # double's switch; a gather, by default); before 14.4 there is none
     r, said, _ = parts
     assert set(said['placement']['not_on_ane']) == {'abs -> MLCPUComputeDevice'}, r.stderr[-3000:]
     assert 0 < said['placement']['ane_share_of_ops'] < 1
+    # by default (no switch) the gather alone goes to the CPU, which the ANE has no unit for:
+    # 2 of its 3 ops (gather, mul, the output's identity) on the ANE
+    assert said['gather placement'] == {'ane_share_of_ops': 0.6667, 'ane_share_of_cost': 0.6667,
+                                        'not_on_ane': {'gather -> MLCPUComputeDevice': 1}}, said['gather placement']
     monkeypatch.setattr(coreml_programs.platform, 'mac_ver', lambda: ('14.2', ('', '', ''), 'arm64'))
     assert coreml_programs.macos_placement('any') == {'unavailable': 'the compute plan needs macOS 14.4 (this is 14.2)'}
 
