@@ -207,9 +207,10 @@ def test_a_stage_that_cannot_run_is_skipped_and_fails_nothing(tmp_path, monkeypa
     cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
     assert ane_check.main(cfg, 2, 8, str(tmp_path / 'p'), 4, str(tmp_path / 'c.json'), 60, log=said.append) == 0
     assert not [s for s in said if 'FAILED' in s], said
-    r = mac(['-c', 'from tools import ane_check; print(ane_check.energy({}))'], tmp_path)
-    assert r.returncode == 0 and r.stdout.startswith("{'skipped': 'powermetrics cannot run (sudo: a password is "
-                                                     "required)"), r.stderr[-2000:]
+    r = mac(['-c', 'import json; from tools import ane_check; print(json.dumps(ane_check.energy({})))'], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert list(json.loads(r.stdout)) == ['skipped'], r.stdout
+    assert json.loads(r.stdout)['skipped'].startswith('powermetrics cannot run (sudo: a password is required); ')
     assert sudo_stdins(tmp_path) == ['devnull'] and coreml_log(tmp_path) == []
 
 
