@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import re
+import subprocess
 import sys
 
 import torch
@@ -186,7 +187,6 @@ def mac_without_ane():
     Rosetta translation environment"); an Intel Mac has no such name or says 0."""
     if platform.mac_ver()[2] in ('arm64', ''):
         return ''
-    import subprocess
     try:
         rosetta = subprocess.run(['sysctl', '-n', 'sysctl.proc_translated'], stdin=subprocess.DEVNULL,
                                  capture_output=True, text=True, timeout=10).stdout.strip() == '1'

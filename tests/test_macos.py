@@ -197,8 +197,7 @@ def test_a_failed_neural_engine_compile(shakespeare, exported, tmp_path, fail, w
 
 def test_a_stage_that_cannot_run_is_skipped_and_fails_nothing(tmp_path, monkeypatch):
     # a stage's {'skipped': why} is recorded as skipped with its reason; the check's verdict
-    # and exit code leave it out. On the double's Mac without sudo rights the energy stage
-    # returns it before it reads ctx or measures anything
+    # and exit code leave it out (the energy stage's own: test_the_energy_meter_against_powermetrics)
     rec, = ane_check.run_all({}, [('energy', False, '')], timeout=300, log=lambda s: None,
                              targets={'energy': 'check_stages:skipped'})
     assert rec['status'] == 'skipped' and rec['reason'] == 'nothing to measure with here' and 'result' not in rec
@@ -207,10 +206,6 @@ def test_a_stage_that_cannot_run_is_skipped_and_fails_nothing(tmp_path, monkeypa
     cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
     assert ane_check.main(cfg, 2, 8, str(tmp_path / 'p'), 4, str(tmp_path / 'c.json'), 60, log=said.append) == 0
     assert not [s for s in said if 'FAILED' in s], said
-    r = mac(['-c', 'from tools import ane_check; print(ane_check.energy({}))'], tmp_path)
-    assert r.returncode == 0 and r.stdout.startswith("{'skipped': 'powermetrics cannot run (sudo: a password is "
-                                                     "required)"), r.stderr[-2000:]
-    assert sudo_stdins(tmp_path) == ['devnull'] and coreml_log(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -332,8 +327,14 @@ assert new != path and not cached and not os.path.exists(path)
 assert not os.path.exists(gone) and os.path.exists(running)
 say('cache', sorted(os.listdir('c/compiled')))
 
-# the compute plan
+# the compute plan; of a program with a gather, which the ANE has no unit for
 say('placement', programs.macos_placement(new))
+from coremltools.converters.mil import Builder as mb
+prog = hg.mil_program(lambda o, x: {'y': hg.MILTensor(mb.gather(x=x.v, indices=np.array([1, 0], np.int32), axis=0)) * 2.0},
+                      {'x': (2, 32)})
+ct.convert(prog, convert_to='mlprogram', minimum_deployment_target=ct.target.macOS13, skip_model_load=True).save('g.mlpackage')
+ct.utils.compile_model('g.mlpackage', 'g.mlmodelc')
+say('gather placement', programs.macos_placement('g.mlmodelc'))
 
 # the energy meter, with sudo rights granted; without them (the double's switch, read by its sudo)
 os.environ['MACOS_DOUBLE_SUDO'] = '1'
@@ -345,6 +346,21 @@ del os.environ['MACOS_DOUBLE_SUDO']
 t0 = time.monotonic()
 say('no sudo', energy.EnergyMeter(set()).missing + energy.EnergyMeter(set()).missing)
 say('no sudo seconds', time.monotonic() - t0)
+from tools import ane_check
+loads = len(open('coreml.log').readlines())
+say('energy stage', ane_check.energy({}))  # (an empty ctx: it must decide before it reads one)
+say('energy stage loads', len(open('coreml.log').readlines()) - loads)
+
+# what --mode auto becomes on an Intel Mac and under Rosetta (the double's switches, read by
+# platform.mac_ver and its sysctl)
+import platform
+from plumbing import settings
+for machine, rosetta in (('x86_64', '0'), ('x86_64', '1'), ('arm64', '0')):
+    os.environ['MACOS_DOUBLE_MACHINE'], os.environ['MACOS_DOUBLE_ROSETTA'] = machine, rosetta
+    platform.mac_ver = lambda *a, m=machine: ('15.5', ('', '', ''), m)
+    cfg_auto, lines = hg.Config(mode='auto', n_layer=2, n_head=2, n_embd=64, block_size=32), []
+    settings.check(cfg_auto, set(), {}, {}, lines.append)
+    say(f'auto {machine} {rosetta}', [cfg_auto.mode, [l for l in lines if l.startswith('mode auto')]])
 
 # what the native layer makes of each kind of input (CoreMLPythonUtils.mm, CoreMLPythonArray.mm)
 m = ct.models.CompiledMLModel(new, compute_units=ct.ComputeUnit.CPU_AND_NE)
@@ -438,10 +454,14 @@ def test_compile_cache(parts):
 
 def test_placement(parts, monkeypatch):
     # on macOS 15.5 the compute plan names the ops Core ML puts on the CPU (here: abs, by the
-    # double's switch); before 14.4 there is none
+    # double's switch; a gather, by default); before 14.4 there is none
     r, said, _ = parts
     assert set(said['placement']['not_on_ane']) == {'abs -> MLCPUComputeDevice'}, r.stderr[-3000:]
     assert 0 < said['placement']['ane_share_of_ops'] < 1
+    # by default (no switch) the gather alone goes to the CPU, which the ANE has no unit for:
+    # 2 of its 3 ops (gather, mul, the output's identity) on the ANE
+    assert said['gather placement'] == {'ane_share_of_ops': 0.6667, 'ane_share_of_cost': 0.6667,
+                                        'not_on_ane': {'gather -> MLCPUComputeDevice': 1}}, said['gather placement']
     monkeypatch.setattr(coreml_programs.platform, 'mac_ver', lambda: ('14.2', ('', '', ''), 'arm64'))
     assert coreml_programs.macos_placement('any') == {'unavailable': 'the compute plan needs macOS 14.4 (this is 14.2)'}
 
@@ -460,7 +480,11 @@ def test_the_energy_meter_against_powermetrics(parts):
     # samples), the second meter without asking sudo again; sudo's stdin never the terminal's
     assert said['no sudo'] == ['PowermetricsMeter: powermetrics gave no samples (sudo: a password is required)'] * 2
     assert said['no sudo seconds'] < 5
-    assert sudo_stdins(cwd) == ['devnull', 'devnull']
+    # the self-check's energy stage, without rights, is skipped before it reads its ctx or
+    # loads a program; sudo's stdin is never the terminal's
+    assert list(said['energy stage']) == ['skipped'] and said['energy stage loads'] == 0, said['energy stage']
+    assert said['energy stage']['skipped'].startswith('powermetrics cannot run (sudo: a password is required); ')
+    assert sudo_stdins(cwd) == ['devnull'] * 3
 
 
 def test_inputs_as_the_native_layer_takes_them(parts):
@@ -547,8 +571,20 @@ def test_refused_at_start_in_one_line(tmp_path, flags, switches, says):
     assert not os.path.exists(tmp_path / 'out')  # nothing written
 
 
+def test_auto_mode_is_gpu_where_there_is_no_neural_engine(parts):
+    # --mode auto on an Intel Mac, or an x86_64 Python under Rosetta: gpu, said in one line
+    # with why and what to do; on Apple Silicon: hetero, nothing said (the trainer's runs: slow, below)
+    r, said, _ = parts
+    intel, rosetta, arm = said['auto x86_64 0'], said['auto x86_64 1'], said['auto arm64 0']
+    assert intel == ['gpu', ['mode auto: gpu alone (this Mac is x86_64 (Intel), and the Neural Engine needs Apple '
+                             'Silicon)']], intel
+    assert rosetta[0] == 'gpu' and len(rosetta[1]) == 1 and 'running under Rosetta on Apple Silicon' in rosetta[1][0]
+    assert 'needs an arm64 Python' in rosetta[1][0] and arm == ['hetero', []]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('switches,says', [
-    pytest.param(dict(machine='x86_64'), "this Mac is x86_64 (Intel)", marks=pytest.mark.slow),
+    (dict(machine='x86_64'), "this Mac is x86_64 (Intel)"),
     (dict(machine='x86_64', rosetta=1), "this Python is an x86_64 build running under Rosetta on Apple Silicon"),
 ])
 def test_auto_mode_without_the_neural_engine_trains_on_the_gpu(shakespeare, tmp_path, switches, says):

@@ -386,7 +386,8 @@ def energy(ctx):
     Skipped, before anything is measured, where sudo -n cannot run powermetrics."""
     ok, why = powermetrics_readable()
     if not ok:
-        return dict(skipped=f"powermetrics cannot run ({why}); `sudo -v` just before the check gives it 5 minutes")
+        return dict(skipped=f"powermetrics cannot run ({why}); `sudo -v` and then `python export_ane.py --check "
+                            "--stages energy` measures it alone, within sudo's 5 minutes")
     return concurrency(ctx, watts=True)
 
 
