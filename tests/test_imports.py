@@ -121,7 +121,7 @@ def test_each_project_import_of_the_reference_says_what_it_brings():
             add = sorted(u.rpartition('.')[2] for u in uses if u.rpartition('.')[2] not in names)
             remove = [n for n in names if n not in {u.rpartition('.')[2] for u in uses}]
             if add:
-                wrong.append(f'{where}: add to its defines: {", ".join(add)} (used, not listed)')
+                wrong.append(f'{where}: add to its defines: {", ".join(add)} (brought here, not listed)')
             if remove:
                 wrong.append(f'{where}: remove from its defines: {", ".join(remove)} (listed, never used)')
             unused = sorted(u for u in uses if '.' not in u and not any(
