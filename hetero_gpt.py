@@ -36,17 +36,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import prepare_data  # defines: load (checked token arrays), DataError, get_encoding
+import prepare_data  # defines: load (checked token arrays), DataError
 from plumbing import checkpoints  # defines: check_out_dir, resume, state, save_checkpoint, diverged, closing_sample
-from plumbing import distributed  # defines: join_ranks, rank_share, all_reduce_sum, gather, leave
+from plumbing import distributed  # defines: join_ranks, world, rank_share, rank0_first, from_rank0, all_reduce_sum, gather, check_same_weights, exit_naming_stopped, leave
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit), measured
 from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
-from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, the ANE's limits
-from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
+from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, check_shapes, coreml_predict, peaks
+from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype, import_coremltools, one_line
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
-from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # the ANE's limits
-from plumbing.settings import ON_MAC, UserError, check_batch, setting  # macOS?; a user's error; the batch check; a flag
+from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # defines: ANE_MAX_DIM, ANE_OVERFLOW (the ANE's limits)
+from plumbing.settings import ON_MAC, UserError, check_batch, setting  # defines: ON_MAC (macOS?), UserError (a user's error), check_batch, setting (a flag)
 
 # -----------------------------------------------------------------------------
 # 1. Configuration: every setting, its default, and one line on what it does.

@@ -7,12 +7,13 @@ GPT-2 124M, batch 12 x 1024 by default; 3 warm-up and 10 timed steps each, media
 
 Rows, each beside autograd eager in the same precision (fp32, bf16, fp16):
   written out       the reference derivation (hetero_gpt.TorchOps), as the Core ML program records it
-  fused             standin.FusedOps: the pieces by PyTorch's fused kernels through public APIs
+  fused             tools/fast_standin.FusedOps: the pieces by PyTorch's fused kernels through public APIs
   fused, private    the same with attention and layernorm through the private entry points
-                    (torch.ops.aten._scaled_dot_product_*, native_layer_norm): the comparison
-                    that decides whether a private entry point earns a place in standin.py
-  + CUDA graph      standin.FastEagerEngine: the step replayed as one CUDA graph, as hetero runs
-                    it on CUDA (no Python in the replay: what remains is the kernels' time)
+                    (torch.ops.aten._scaled_dot_product_*, native_layer_norm): the comparison that
+                    decides whether a private entry point earns a place in tools/fast_standin.py
+  + CUDA graph      tools/fast_standin.FastEagerEngine: the step replayed as one CUDA graph, as
+                    `python -m tools.fast_standin` and `bench.py --fast` run it on CUDA
+                    (no Python in the replay: what remains is the kernels' time)
 and, for --compiled dtypes, both sides under torch.compile (the written-out derivation).
 Peak memory is what one step allocates above the weights (max_memory_allocated after a
 reset, minus what was allocated before the step; a graph's pool is added to its row).

@@ -5,7 +5,7 @@ backward and AdamW; mean ms/iter, as bench.py prints it). nanoGPT is not part of
 repo: pass the folder of a checkout of github.com/karpathy/nanoGPT (its model.py,
 bench.py, configurator.py); nothing is copied.
 
-    python benchmarks/compare_nanogpt.py --nanogpt /path/to/nanoGPT
+    python -m benchmarks.compare_nanogpt --nanogpt /path/to/nanoGPT
 
 nanoGPT's bench.py uses its GPTConfig defaults: vocabulary padded to 50304 and no biases
 (bias=False). So ours takes the same config against bench.py as it is (--vocab_size 50304

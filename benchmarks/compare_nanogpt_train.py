@@ -6,7 +6,7 @@ log line per step in both. Each run's cell is its median step time after 10 warm
 the time between its step ends, as it prints it; ours: the step's training time, metrics.jsonl);
 the programs take turns for --rounds rounds and a cell is the median of its rounds.
 
-    python benchmarks/compare_nanogpt_train.py --nanogpt /path/to/nanoGPT [--dtype bfloat16] [--compile]
+    python -m benchmarks.compare_nanogpt_train --nanogpt /path/to/nanoGPT [--dtype bfloat16] [--compile]
 
 nanoGPT is not part of this repo: pass a checkout of github.com/karpathy/nanoGPT. Its train.py reads
 our prepared data/shakespeare through links in <nanoGPT>/data/heterogpt_shakespeare (made here, the

@@ -4,8 +4,8 @@ torchrun), side by side in one run: tokens/s with 1 and with N ranks, and each o
 scaling efficiency against its own one-rank run (tokens/s at N / (N x tokens/s at 1)).
 GPT-2 124M, the same per-rank batch (12 x 1024) and accumulation, bf16, eager or compiled.
 
-    python benchmarks/ddp_scaling.py --nanogpt .bench/nano --nproc 2 [--compile]   # N GPUs
-    python benchmarks/ddp_scaling.py --device cpu --tiny --nproc 2                 # a dry run
+    python -m benchmarks.ddp_scaling --nanogpt .bench/nano --nproc 2 [--compile]   # N GPUs
+    python -m benchmarks.ddp_scaling --device cpu --tiny --nproc 2                 # a dry run
 
 --nanogpt: a folder with nanoGPT's model.py, train.py and configurator.py (not part of this
 repo); its data comes from ours (data/shakespeare's .bin files, copied beside it).

@@ -5,11 +5,10 @@ interval to take it back, so (time beside - time alone) / interval counts those 
 process copies on one thread, so that the spinning thread and the copies each have a core. GPT-2 124M's shapes (148
 tensors) at a context of 64, the eager derivation in the worker on the CPU.
 
-    python benchmarks/gil_waits.py [--n_embd 64 --vocab_size 512]
+    python -m benchmarks.gil_waits [--n_embd 64 --vocab_size 512]     # from the repository's root
 """
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import threading
@@ -17,9 +16,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-import hetero_gpt as hg  # noqa: E402
-from plumbing import settings, worker  # noqa: E402
+import hetero_gpt as hg
+from plumbing import settings, worker
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

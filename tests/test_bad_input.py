@@ -1,6 +1,6 @@
 """Bad input, one test per kind: each is a one-line error (exit code 2) that names what is
 wrong and what to do, and leaves every file that existed before byte for byte as it was.
-benchmarks/bad_input_cases.py runs many more cases as separate processes."""
+tests/test_bad_input_cases.py runs many more cases as separate processes (slow tests)."""
 import hashlib
 import json
 import os

@@ -4,6 +4,7 @@ itself through others, and `python hetero_gpt.py` loads the file once. Read with
 imports inside functions included."""
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -83,15 +84,51 @@ def test_hetero_gpt_is_the_root_of_what_it_uses():
         assert m not in g or 'hetero_gpt' in g[m], m  # (the copy without the fast path lacks one)
 
 
+def listed(comment):
+    """The names in a `# defines: a (what a is), b, c` comment, or None where there is no list."""
+    if 'defines:' not in comment:
+        return None
+    items = re.sub(r'\([^)]*\)', '', comment.split('defines:', 1)[1]).split(',')  # descriptions out
+    return [item.strip() for item in items if item.strip()]
+
+
+def brought(node, tree, modules):
+    """What one import statement of hetero_gpt.py brings: `m.attr` for each attr the file uses of a
+    project module m it binds, and each name it binds from a module (used or not)."""
+    base = node.module if isinstance(node, ast.ImportFrom) else ''
+    bound = {a.asname or a.name.split('.')[0]: '.'.join(filter(None, [base, a.name])) for a in node.names}
+    uses = {name for name, full in bound.items() if full not in modules}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and bound.get(n.value.id) in modules:
+            uses.add(f'{n.value.id}.{n.attr}')
+    return uses
+
+
 def test_each_project_import_of_the_reference_says_what_it_brings():
-    # llm.c's `#include "llmc/dataloader.h"  // defines: ...`: every import of a project module
-    # in hetero_gpt.py carries a comment
-    lines = open(os.path.join(ROOT, 'hetero_gpt.py')).read().split('\n')
-    modules = project_modules()
-    for node in ast.walk(ast.parse('\n'.join(lines))):
+    # llm.c's `#include "llmc/dataloader.h"  // defines: ...`: every import of a project module in
+    # hetero_gpt.py lists, after `defines:`, exactly the names the file uses from it
+    source = open(os.path.join(ROOT, 'hetero_gpt.py')).read()
+    lines, tree, modules = source.split('\n'), ast.parse(source), project_modules()
+    wrong = []
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)) and targets(node, 'hetero_gpt', modules):
-            line = lines[node.lineno - 1]
-            assert '#' in line and len(line.split('#', 1)[1].split()) >= 2, line
+            where = f'hetero_gpt.py:{node.lineno} `{ast.unparse(node)}`'
+            names = listed(' '.join(lines[node.lineno - 1:node.end_lineno]).partition('#')[2])
+            if names is None:
+                wrong.append(f'{where} has no `# defines: ...` comment')
+                continue
+            uses = brought(node, tree, modules)
+            add = sorted(u.rpartition('.')[2] for u in uses if u.rpartition('.')[2] not in names)
+            remove = [n for n in names if n not in {u.rpartition('.')[2] for u in uses}]
+            if add:
+                wrong.append(f'{where}: add to its defines: {", ".join(add)} (brought here, not listed)')
+            if remove:
+                wrong.append(f'{where}: remove from its defines: {", ".join(remove)} (listed, never used)')
+            unused = sorted(u for u in uses if '.' not in u and not any(
+                isinstance(n, ast.Name) and n.id == u for n in ast.walk(tree)))
+            if unused:
+                wrong.append(f'{where}: imports {", ".join(unused)}, never used: drop from the import')
+    assert not wrong, '\n'.join(wrong)
 
 
 def test_the_trainer_runs_its_file_once():

@@ -2,18 +2,18 @@
 # On an H200: GPU-only, ANE-only and hetero, GPT-2 124M on Shakespeare, context 256,
 # 200 steps of 8 x 256 x 4 tokens, half of each step's microbatches on the "ANE" in hetero
 # (the eager derivation in fp16 on the same GPU, its own CUDA stream). FLAGS: the learning
-# rate and anything else to add. SEED_GROUPS: seed lists, one compare.py process each, placed on
+# rate and anything else to add. SEED_GROUPS: seed lists, one tools.compare process each, placed on
 # the machine's GPUs in turn; several share a GPU well, since at 2,048 tokens a microbatch
 # each run is bound by kernel launches, not by the GPU (so their time axes are not a speed
 # measurement). Each process stops after LIMIT seconds; the runs' metrics come back as one
-# tar file (no checkpoints); `python compare.py` with the same flags, --out_dir and the seeds
+# tar file (no checkpoints); `python -m tools.compare` with the same flags, --out_dir and the seeds
 # that finished re-reads them and prints the table (each process writes its own table, of its
 # seeds only, to the same summary.json: the re-read is the one of all the seeds). Each group
 # needs 2 seeds or more; --max_iters stays 200 (the count of finished runs below reads it).
+# The machine it assumes: one or more H200s, requirements.txt installed, data/shakespeare
+# prepared; run from the repository's root. OUT: where the tar file goes (default: here).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-python3 -c "import tqdm" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 DIR=${DIR:-out/compare_h200}
 mkdir -p "$DIR"
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')

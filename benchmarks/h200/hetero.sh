@@ -5,10 +5,10 @@
 #  C (needs 2 GPUs): the same as B with the eager engine on the second GPU
 # CASES="A B" (default) picks which to run; CASES=C on the 2 x H200 machine (SPLITS: the
 # microbatch shapes it benches; CURVE=0 skips its 50-step loss comparison).
+# The machine it assumes: one H200 (two for C) with 16 CPU cores a GPU, requirements.txt and
+# pytest installed, data/shakespeare prepared; run from the repository's root.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-python3 -c "import tqdm, pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 nproc
 common="--dataset shakespeare --device cuda --quiet"
 if [[ " ${CASES:-A B} " == *" A "* ]]; then

@@ -4,6 +4,8 @@
 # <commit> | tar -x -C .bench/before`; "." is this one), ROUNDS times; the stand-in with fused
 # kernels on the same GPU (old trees: on CUDA by default; this one: --fast), GPT-2 124M,
 # 8 microbatches of 4 x 1024 a step. TESTS=1 runs the stand-in's CUDA tests first.
+# The machine it assumes: one H200, requirements.txt and pytest installed, data/shakespeare
+# prepared; run from the repository's root.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 root=$(pwd)

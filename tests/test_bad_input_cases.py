@@ -1,20 +1,17 @@
 """
 Bad input, tried as a new user would: bad flags, broken data, broken checkpoints,
 interrupted runs and misplaced outputs, each case its own process on a tiny configuration
-(CPU) in a folder of its own under a temporary directory.
+(CPU) in a folder of its own, one slow test a case.
 
-    python benchmarks/bad_input_cases.py [--only WORD] [--keep DIR]
+    python -m pytest -q -m slow tests/test_bad_input_cases.py [-k WORD]
 
 A case is clean when it exits non-zero with one `error:` line and no traceback, or exits
 0 where the input is legitimately fine (a setting that does not apply, a resume); and, in
 either case, every file that was there before is byte for byte as it was (except those
-the case is meant to change: a resumed run's checkpoint and metrics). Prints one row per
-case, then "cases N, clean C, traceback T, data lost L". Takes a few minutes; the fast
-per-kind checks are tests/test_bad_input.py.
+the case is meant to change: a resumed run's checkpoint and metrics). Takes a few minutes;
+the fast per-kind checks are tests/test_bad_input.py.
 """
-import argparse
 import contextlib
-import hashlib
 import json
 import os
 import pickle
@@ -22,8 +19,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
+
+import pytest
+
+from test_bad_input import files  # {path: sha256} of every file in a folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--dataset', 'tiny', '--data_dir', 'data', '--out_dir', 'out', '--max_iters', '10', '--n_layer', '1',
@@ -63,16 +62,6 @@ def export(*flags):
 
 def prepare(*flags):
     return [os.path.join(ROOT, 'prepare_data.py'), *flags]
-
-
-def files(folder):
-    out = {}
-    for root, _, names in os.walk(folder):
-        for n in names:
-            p = os.path.join(root, n)
-            with open(p, 'rb') as f:
-                out[os.path.relpath(p, folder)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 # ---- what a case sets up in its folder (which already holds data/ and, with run=True, out/)
@@ -137,12 +126,12 @@ def rows_past_checkpoint(d):
 
 
 def export_package(d):
-    python(*export('--microbatch', '2', '--out', 'pkg'), cwd=d)
+    python(*export('--ane_batch_size', '2', '--out', 'pkg'), cwd=d)
 
 
 def half_written_programs(d):  # as a crash during a copy would leave them: one program missing
     python(os.path.join(ROOT, 'export_ane.py'), '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size',
-           '16', '--microbatch', '2', '--out', 'pkg', cwd=d)  # TINY's model, GPT-2's vocabulary
+           '16', '--ane_batch_size', '2', '--out', 'pkg', cwd=d)  # TINY's model, GPT-2's vocabulary
     shutil.rmtree(os.path.join(d, 'pkg', 'head.mlpackage'))
 
 
@@ -164,7 +153,7 @@ def never_ran(d, p):
     return 'the pickle ran code' if os.path.exists(os.path.join(d, 'PWNED')) else ''
 
 
-RESUMED = ('out/ckpt.pt', 'out/ckpt.prev.pt', 'out/metrics.jsonl')  # what a resumed run may rewrite
+RESUMED = ('out/ckpt.pt', 'out/ckpt.prev.pt', 'out/best.pt', 'out/metrics.jsonl')  # what a resumed run may rewrite
 
 # (name, command, 'error' or 'ok', setup, needs the finished run in out/, files it may change, check)
 CASES = [
@@ -225,14 +214,14 @@ CASES = [
     ('ane_load_timeout 0', train('--mode', 'ane', '--ane_load_timeout', '0'), 'error'),
     ('ANE programs missing one', train('--mode', 'ane', '--ane_evaluator', 'numpy', '--ane_programs', 'pkg'), 'error',
      half_written_programs, False, (), says('lacks head')),
-    ('export: microbatch 0', export('--microbatch', '0', '--out', 'a'), 'error'),
-    ('export: negative seq_len', export('--seq_len', '-3', '--out', 'a'), 'error'),
-    ('export: too many tokens', export('--microbatch', '4000', '--out', 'a'), 'error'),
+    ('export: negative ane_batch_size', export('--ane_batch_size', '-1', '--out', 'a'), 'error'),
+    ('export: negative block_size', export('--block_size', '-3', '--out', 'a'), 'error'),
+    ('export: too many tokens', export('--ane_batch_size', '4000', '--out', 'a'), 'error'),
     ('export: n_embd not divisible', export('--n_embd', '30', '--n_head', '4', '--out', 'a'), 'error'),
     ('export: --out is a file', export('--out', 'notes.txt'), 'error', write('notes.txt', 'mine')),
     ('export: --out is a folder of files', export('--out', 'mine'), 'error', write('mine/keep.txt', 'mine')),
     ('export: --out in a new folder', export('--out', 'new/sub/a'), 'ok'),
-    ('export: over its own package', export('--microbatch', '3', '--out', 'pkg'), 'ok', export_package,
+    ('export: over its own package', export('--ane_batch_size', '3', '--out', 'pkg'), 'ok', export_package,
      False, ('pkg',)),
     # broken data
     ('no such data set', train('--dataset', 'nonesuch'), 'error'),
@@ -265,10 +254,10 @@ CASES = [
     ('resume: a pickle that runs code', train('--resume', '--max_iters', '20'), 'error', evil_checkpoint, True, (),
      never_ran),
     ('resume: other model sizes', train('--resume', '--max_iters', '20', '--n_embd', '32'), 'error', None, True),
-    ('resume: damaged, previous fine', train('--resume', '--max_iters', '20'), 'error',
-     truncate('out/ckpt.pt', 1000), True, (), says('ckpt.prev.pt (step 5) is usable')),
-    ('resume: ckpt.pt gone, previous there', train('--resume', '--max_iters', '20'), 'error',
-     remove('out/ckpt.pt'), True, (), says('ckpt.prev.pt (step 5) is usable')),
+    ('resume: damaged, previous fine', train('--resume', '--max_iters', '20'), 'ok',
+     truncate('out/ckpt.pt', 1000), True, RESUMED, says('ckpt.prev.pt (step 5) instead')),
+    ('resume: ckpt.pt gone, previous there', train('--resume', '--max_iters', '20'), 'ok',
+     remove('out/ckpt.pt'), True, RESUMED, says('ckpt.prev.pt (step 5) instead')),
     # interrupted runs
     ('resume after a kill mid-save', train('--resume', '--max_iters', '15'), 'ok',
      write('out/ckpt.pt.tmp', b'\0' * 999), True, RESUMED + ('out/ckpt.pt.tmp',), steps_once),
@@ -290,59 +279,46 @@ CASES = [
 ]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--only', default='', help="run only the cases whose name holds this")
-    p.add_argument('--keep', default='', help="work in this folder and keep it (default: a temporary one)")
-    a = p.parse_args()
-    root = a.keep or tempfile.mkdtemp(prefix='bad_input_')
-    os.makedirs(root, exist_ok=True)
+@pytest.fixture(scope='module')
+def folders(tmp_path_factory):
+    """A folder with the tiny data set prepared, and a copy of it with a finished 10-step run."""
+    root = str(tmp_path_factory.mktemp('bad_input'))
     lines = [f"The {w} of the {v} is {n} and the {v} is {w}." for n in range(40)
              for w, v in (('king', 'crown'), ('queen', 'court'), ('fool', 'jest'))]
     with open(os.path.join(root, 'tiny.txt'), 'w') as f:
         f.write('\n'.join(lines * 3) + '\n')
     base = os.path.join(root, 'base')
-    assert python(*prepare('--input', os.path.join(root, 'tiny.txt'), '--data_dir', os.path.join(base, 'data')),
-                  cwd=root).returncode == 0
+    r = python(*prepare('--input', os.path.join(root, 'tiny.txt'), '--data_dir', os.path.join(base, 'data')), cwd=root)
+    assert r.returncode == 0, r.stderr
     finished = os.path.join(root, 'finished')
     shutil.copytree(base, finished)
     r = python(*train('--max_iters', '10'), cwd=finished)
     assert r.returncode == 0, r.stderr
-    tally = dict(cases=0, clean=0, traceback=0, lost=0)
-    print(f"{'case':42s} {'want':5s} {'rc':>3s} {'clean':5s}  first line of stderr (or the problem)")
-    for i, (name, cmd, want, *rest) in enumerate(CASES):
-        setup, with_run, may_change, check = (rest + [None, False, (), None][len(rest):])
-        if a.only not in name:
-            continue
-        d = os.path.join(root, f'case{i:02d}')
-        shutil.copytree(finished if with_run else base, d)
-        if setup:
-            setup(d)
-        before = files(d)
-        t0 = time.perf_counter()
-        r = python(*cmd, cwd=d)
-        after = files(d)
-        lost = [f for f in before if after.get(f) != before[f] and not any(f == m or f.startswith(m + '/')
-                                                                         for m in may_change)]
+    return base, finished
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('case', CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_error_line_and_loses_nothing(case, folders, tmp_path):
+    name, cmd, want, *rest = case
+    setup, with_run, may_change, check = (rest + [None, False, (), None][len(rest):])
+    d = str(tmp_path / 'case')
+    shutil.copytree(folders[1] if with_run else folders[0], d)
+    if setup:
+        setup(d)
+    before = files(d)
+    r = python(*cmd, cwd=d)
+    after = files(d)
+    said = f"exit {r.returncode}; stderr: {r.stderr[-3000:]}"
+    assert 'Traceback' not in r.stderr, said
+    lost = [f for f in before if after.get(f) != before[f] and not any(f == m or f.startswith(m + '/')
+                                                                     for m in may_change)]
+    assert not lost, f"changed: {lost}; {said}"
+    if want == 'ok':
+        assert r.returncode == 0, said
+    else:
         err_lines = [line for line in r.stderr.splitlines() if ERROR_LINE.match(line)]
-        traceback = 'Traceback' in r.stderr
-        problem = check(d, r) if check and (r.returncode == 0) == (want == 'ok') else ''
-        if want == 'ok':
-            clean = r.returncode == 0 and not traceback and not lost and not problem
-        else:
-            clean = r.returncode != 0 and len(err_lines) == 1 and not traceback and not lost and not problem
-        tally['cases'] += 1
-        tally['clean'] += clean
-        tally['traceback'] += traceback
-        tally['lost'] += bool(lost)
-        said = problem or (f"changed: {', '.join(lost)}" if lost else '') or \
-            (err_lines[0] if err_lines else (r.stderr.strip().splitlines() or ['(nothing)'])[-1])
-        print(f"{name:42s} {want:5s} {r.returncode:3d} {'yes' if clean else 'NO':5s}  "
-              f"{said[:150]}  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    if not a.keep:
-        shutil.rmtree(root, ignore_errors=True)
-    print(f"cases {tally['cases']}, clean {tally['clean']}, traceback {tally['traceback']}, data lost {tally['lost']}")
-
-
-if __name__ == '__main__':
-    main()
+        assert r.returncode != 0 and len(err_lines) == 1, said
+        assert name == 'unknown flag' or 'unrecognized arguments' not in r.stderr, f"a flag it needs is gone; {said}"
+    problem = check(d, r) if check else ''
+    assert not problem, f"{problem}; {said}"
