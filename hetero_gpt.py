@@ -42,7 +42,7 @@ from plumbing import distributed  # defines: join_ranks, rank_share, all_reduce_
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
 from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
-from plumbing import programs  # defines: ensure, read_meta, load_compiled, numpy_programs, the ANE's limits
+from plumbing import programs  # defines: ensure, read_meta, load_compiled, numpy_programs, peaks, the ANE's limits
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
 from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # the ANE's limits
