@@ -135,3 +135,26 @@ def test_the_gradient_gate_catches_what_a_whole_tensor_cosine_misses(mutation, m
         assert {f'transformer.h.{l}.attn.c_attn.weight[{c}]' for l in (0, 1) for c in 'qk'} <= set(res['failures'])
     if mutation is bias_sums_doubled:  # the norm ratio, at 2 (fp16 rounding aside: the tolerance is 2%)
         assert abs(res['worst_norm_ratio'] - 2) < 0.02 and res['worst_cosine'] >= 0.999
+
+
+@pytest.mark.slow
+def test_lookup_table_margin(tmp_path):
+    # How large each table's error (programs.lut_error, one function inexact at a time) may
+    # grow before the self-check's gate fails, at GATE_CFG (docs/coreml_and_ane.md, "Lookup
+    # tables"): every function passes at 2^-6, 16x the evaluator's default 2^-10 (itself
+    # twice the published half ulp), and the first failure is no earlier than 2^-4.
+    from tools import ane_check
+    path = str(tmp_path / 'p')
+    export_ane.export_programs(GATE_CFG, 2, 16, path)
+    ctx = dict(cfg=GATE_CFG.__dict__, B=2, T=16, out=path)
+    _, _, _, ref, _ = ane_check.gradient_pair(dict(ctx, lut={}))
+    sizes = [2.0 ** -k for k in (10, 8, 6, 4, 3, 2, 1)]
+    first = {}
+    for fn in [*programs.LUT_ERROR, 'all']:
+        for e in sizes:
+            lut = dict.fromkeys(programs.LUT_ERROR, e) if fn == 'all' else {fn: e}
+            if not ane_check.judge_gradients(ane_check.gradient_pair(dict(ctx, lut=lut))[1], ref)['passed']:
+                first[fn] = e
+                break
+    print('first failing error per table:', first)
+    assert all(e >= 2.0 ** -4 for e in first.values()) and 'rsqrt' in first and 'all' in first
