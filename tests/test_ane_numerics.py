@@ -1,6 +1,6 @@
 """The Core ML program under what is known of the ANE's fp16 (coreml_and_ane.md section 2), imitated
 by programs.numpy_predict(prog, ane=True): reduce_sum accumulating in fp16, matmul wide,
-saturation instead of inf. fp16: unit roundoff u = 2^-11 = 4.9e-4, largest value 65504."""
+saturation instead of inf, inexact lookup tables. fp16: unit roundoff u = 2^-11 = 4.9e-4, largest value 65504."""
 import copy
 
 import numpy as np
@@ -55,7 +55,8 @@ def gpt2_programs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_block_programs_at_gpt2_124m_shapes(gpt2_programs):
-    # One block of GPT-2 124M at 4x1024 tokens, both programs in the ANE mode, against fp64
+    # One block of GPT-2 124M at 4x1024 tokens, both programs in the ANE mode (its tables
+    # inexact, programs.LUT_ERROR: 2^-10, about fp16's own rounding), against fp64
     # autograd on the same fp16-representable inputs: the forward's y and every gradient of
     # the backward (which recomputes the forward) by direction, cosine >= 0.999 (fp16
     # compares by direction, as test_grads.py). x: residual-stream values (RMS ~3); dy: a
@@ -93,7 +94,9 @@ def test_block_programs_at_gpt2_124m_shapes(gpt2_programs):
 def test_head_program_at_the_real_vocabulary(gpt2_programs):
     # The final layernorm, the tied LM head over 50257 tokens (four chunks) and the loss, forward
     # and backward, at 1x1024 tokens in the ANE mode, against fp64 autograd: the loss (an fp16
-    # output near 11, spacing 2^-7) within two fp16 spacings; d x, d ln_f and the embedding's
+    # output near 11, spacing 2^-7) within two fp16 spacings (the log table's error, 2^-10 of
+    # each row's ~11, takes either sign row by row: the mean over 1024 rows keeps ~1/32 of it);
+    # d x, d ln_f and the embedding's
     # gradient (the chunks' rows plus the target rows, as host_grads adds them) by cosine >= 0.999.
     cfg, N = hg.GPTConfig(n_layer=1), 1024
     torch.manual_seed(0)
