@@ -158,3 +158,23 @@ def test_lookup_table_margin(tmp_path):
                 break
     print('first failing error per table:', first)
     assert all(e >= 2.0 ** -4 for e in first.values()) and 'rsqrt' in first and 'all' in first
+
+
+def test_the_ane_modes_tables_are_inexact_by_default():
+    # exp, log, tanh, rsqrt and softmax in the ANE mode: by default each result is off by a
+    # relative error up to programs.LUT_ERROR (2^-10), the same for the same input, plus fp16's
+    # roundings (u = 2^-11): the function's own value_inference rounds up to twice (rsqrt is
+    # 1/sqrt, softmax exp/sum), the perturbed value once more; with lut={} only the function's
+    # own are left. Inputs: 4096 fp16 values.
+    x = np.linspace(1.5, 6, 4096).astype(np.float16).reshape(64, 64)  # (log: away from 1, where it is 0)
+    exact = dict(exp=np.exp, log=np.log, tanh=np.tanh, rsqrt=lambda v: 1 / np.sqrt(v),
+                 softmax=lambda v: np.exp(v) / np.exp(v).sum(-1, keepdims=True))
+    for name, f in exact.items():
+        prog = hg.mil_program(lambda o, x: {'y': getattr(o, name)(x, -1) if name == 'softmax' else getattr(o, name)(x)},
+                              {'x': x.shape})
+        ref = f(x.astype(np.float64))
+        rel = {k: np.abs(programs.numpy_predict(prog, ane=True, lut=lut)({'x': x})['y'] / ref - 1)
+               for k, lut in (('default', None), ('exact', {}))}
+        assert rel['exact'].max() <= 2 * 2.0 ** -11 * 1.01, name
+        assert 2 * 2.0 ** -11 < rel['default'].max() <= programs.LUT_ERROR[name] + 3 * 2.0 ** -11 * 1.01, name
+        assert np.array_equal(*(programs.numpy_predict(prog, ane=True)({'x': x})['y'] for _ in range(2)))
