@@ -63,7 +63,8 @@ def peaks(outputs, piece):
       a mean is at most its largest term, below 2^15.
     - y sums exp(z - rowmax z): at most n terms of at most 1, n <= 16384.
     - y is a sum over the last axis of a * softmax (the softmax backward's row sum), or
-      softmax @ v: weights that sum to 1 per row, so |y| <= max |a| or max |v|, both checked.
+      softmax @ v (attention's P v, the head's softmax @ W): weights that sum to 1 per
+      row, so |y| <= max |a| or max |v|: a checked result, or an input (a weight).
     - y feeds only its row max, exp and softmax (the logits): the row max is checked
       instead, N values, not N x V. A row max below 2^14 leaves no value to saturate above;
       a value saturated at -32752 lies > 16000 below it, where exp gives 0 either way.

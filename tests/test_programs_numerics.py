@@ -135,3 +135,46 @@ def test_the_gradient_gate_catches_what_a_whole_tensor_cosine_misses(mutation, m
         assert {f'transformer.h.{l}.attn.c_attn.weight[{c}]' for l in (0, 1) for c in 'qk'} <= set(res['failures'])
     if mutation is bias_sums_doubled:  # the norm ratio, at 2 (fp16 rounding aside: the tolerance is 2%)
         assert abs(res['worst_norm_ratio'] - 2) < 0.02 and res['worst_cosine'] >= 0.999
+
+
+@pytest.mark.slow
+def test_lookup_table_margin(tmp_path):
+    # How large each table's error (programs.lut_error, one function inexact at a time) may
+    # grow before the self-check's gate fails, at GATE_CFG (docs/coreml_and_ane.md, "Lookup
+    # tables"): every function passes at 2^-6, 16x the evaluator's default 2^-10 (itself
+    # twice the published half ulp), and the first failure is no earlier than 2^-4.
+    from tools import ane_check
+    path = str(tmp_path / 'p')
+    export_ane.export_programs(GATE_CFG, 2, 16, path)
+    ctx = dict(cfg=GATE_CFG.__dict__, B=2, T=16, out=path)
+    _, _, _, ref, _ = ane_check.gradient_pair(dict(ctx, lut={}))
+    sizes = [2.0 ** -k for k in (10, 8, 6, 4, 3, 2, 1)]
+    first = {}
+    for fn in [*programs.LUT_ERROR, 'all']:
+        for e in sizes:
+            lut = dict.fromkeys(programs.LUT_ERROR, e) if fn == 'all' else {fn: e}
+            if not ane_check.judge_gradients(ane_check.gradient_pair(dict(ctx, lut=lut))[1], ref)['passed']:
+                first[fn] = e
+                break
+    print('first failing error per table:', first)
+    assert all(e >= 2.0 ** -4 for e in first.values()) and 'rsqrt' in first and 'all' in first
+
+
+def test_the_ane_modes_tables_are_inexact_by_default():
+    # exp, log, tanh, rsqrt and softmax in the ANE mode: by default each result is off by a
+    # relative error up to programs.LUT_ERROR (2^-10), the same for the same input, plus fp16's
+    # roundings (u = 2^-11): the function's own value_inference rounds up to twice (rsqrt is
+    # 1/sqrt, softmax exp/sum), the perturbed value once more; with lut={} only the function's
+    # own are left. Inputs: 4096 fp16 values.
+    x = np.linspace(1.5, 6, 4096).astype(np.float16).reshape(64, 64)  # (log: away from 1, where it is 0)
+    exact = dict(exp=np.exp, log=np.log, tanh=np.tanh, rsqrt=lambda v: 1 / np.sqrt(v),
+                 softmax=lambda v: np.exp(v) / np.exp(v).sum(-1, keepdims=True))
+    for name, f in exact.items():
+        prog = hg.mil_program(lambda o, x: {'y': getattr(o, name)(x, -1) if name == 'softmax' else getattr(o, name)(x)},
+                              {'x': x.shape})
+        ref = f(x.astype(np.float64))
+        rel = {k: np.abs(programs.numpy_predict(prog, ane=True, lut=lut)({'x': x})['y'] / ref - 1)
+               for k, lut in (('default', None), ('exact', {}))}
+        assert rel['exact'].max() <= 2 * 2.0 ** -11 * 1.01, name
+        assert 2 * 2.0 ** -11 < rel['default'].max() <= programs.LUT_ERROR[name] + 3 * 2.0 ** -11 * 1.01, name
+        assert np.array_equal(*(programs.numpy_predict(prog, ane=True)({'x': x})['y'] for _ in range(2)))

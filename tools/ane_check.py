@@ -217,8 +217,7 @@ def probes(ctx):
     N, C, H = B * T, cfg.n_embd, cfg.n_head
     V = hg.vocab_chunks(cfg.vocab_size)[0]
     rng = np.random.default_rng(0)
-    mb = lambda: settings.import_coremltools().converters.mil.Builder
-    peak = lambda o, x, axes: hg.MILTensor(mb().reduce_max(x=mb().abs(x=x.var), axes=axes, keep_dims=False))
+    peak = lambda o, x, axes: hg.MILTensor(o.mb.reduce_max(x=o.mb.abs(x=x.var), axes=axes, keep_dims=False))
     q, k = (rng.standard_normal((B, H, T, C // H)) for _ in range(2))
     cases = {  # name: (fn of MILOps and inputs -> outputs, inputs, fp64 reference of y or None)
         'matmul, both operands inputs': (lambda o, x, w: {'y': o.matmul(x, w, tb=True)},
@@ -241,7 +240,7 @@ def probes(ctx):
             lambda o, z: {'y': peak(o, o.max(z, -1), [0])}, dict(z=rng.standard_normal((N, V)) * 3 - 2),
             lambda z: np.abs(z.max(-1, keepdims=True)).max(0)),
         'peaks: concat of vectors into one output': (
-            lambda o, a, b, c: {'y': hg.MILTensor(mb().concat(values=[peak(o, a, [0]).var, peak(o, b, [0]).var,
+            lambda o, a, b, c: {'y': hg.MILTensor(o.mb.concat(values=[peak(o, a, [0]).var, peak(o, b, [0]).var,
                                                                       peak(o, c, [0]).var], axis=0))},
             dict(a=rng.standard_normal((N, C)), b=rng.standard_normal((N, 4 * C)), c=rng.standard_normal((N, 1))),
             lambda a, b, c: np.concatenate([np.abs(v).max(0) for v in (a, b, c)])),
