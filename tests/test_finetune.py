@@ -326,3 +326,41 @@ def test_sample_py_passes_its_options_and_reads_ckpt_pt_without_best(tmp_path, c
         sample.main(['--out_dir', run, '--device', 'cuda:99'])
     err = capsys.readouterr().err
     assert e.value.code == 2 and '--device cuda:99: PyTorch sees' in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_sharded_folder_loads_as_one_file(hf_folder, tmp_path):
+    # save_pretrained's shards (model-0000i-of-0000n.safetensors, model.safetensors.index.json
+    # naming the file of each tensor): the same weights as the one-file folder, bit for bit
+    path, hf = hf_folder
+    hf.save_pretrained(tmp_path, max_shard_size='500KB')
+    assert (tmp_path / 'model.safetensors.index.json').exists() and not (tmp_path / 'model.safetensors').exists()
+    assert len(list(tmp_path.glob('model-*.safetensors'))) > 1
+    a, b = pretrained.state_dict(path, 64), pretrained.state_dict(str(tmp_path), 64)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model = hg.GPT(hg.GPTConfig(**pretrained.model_args(str(tmp_path))))
+    assert pretrained.load(model, str(tmp_path)) == str(tmp_path)
+    assert all(torch.equal(p, a[k]) for k, p in model.state_dict().items())
+
+
+def test_resume_with_init_from_takes_the_checkpoints_weights(hf_folder, data_dir, tmp_path):
+    # fine-tuned 4 steps from Hugging Face's weights, then resumed with --init_from still given:
+    # step 5 starts from ckpt.pt's weights, not Hugging Face's. Its logged loss (before its update)
+    # is the checkpoint's model's on step 5's microbatches, to fp32 rounding (1e-5 relative);
+    # Hugging Face's weights, 4 steps at lr 1e-3 behind, are ~1e-2 off
+    out = tmp_path / 'out'
+    flags = FT + ['--data_dir', data_dir, '--out_dir', str(out), '--init_from', hf_folder[0], '--mode', 'gpu',
+                  '--device', 'cpu']
+    hg.main(flags + ['--max_iters', '4'])
+    hg.main(flags + ['--max_iters', '5', '--resume'])
+    row = [json.loads(line) for line in open(out / 'metrics.jsonl')][-1]
+    cfg = hg.parse_args(flags)[0]
+    ck = torch.load(out / 'ckpt.prev.pt', weights_only=True)  # (step 4's: the resumed run saved step 5's)
+    model = hg.GPT(hg.GPTConfig(**ck['model_args']))
+    model.load_state_dict(ck['model'])
+    batches = hg.step_batches(cfg, prepare_data.load(data_dir, 'tiny', 32, 50257)['train'], 4)
+    logits = dict(ckpt=lambda x: model(x, x)[0], hf=lambda x: hf_folder[1](x).logits)
+    with torch.no_grad():
+        losses = {name: sum(torch.nn.functional.cross_entropy(f(x).flatten(0, 1), y.flatten()).item()
+                            for x, y in batches) / 2 for name, f in logits.items()}
+    assert ck['iter_num'] == 4 and row['step'] == 5 and abs(row['loss'] - losses['ckpt']) <= 1e-5 * losses['ckpt']
+    assert abs(losses['hf'] - losses['ckpt']) > 1e-3, losses  # (the check can tell them apart)
