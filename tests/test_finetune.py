@@ -343,24 +343,24 @@ def test_a_sharded_folder_loads_as_one_file(hf_folder, tmp_path):
 
 
 def test_resume_with_init_from_takes_the_checkpoints_weights(hf_folder, data_dir, tmp_path):
-    # fine-tuned 4 steps from Hugging Face's weights, then resumed with --init_from still given:
-    # step 5 starts from ckpt.pt's weights, not Hugging Face's. Its logged loss (before its update)
-    # is the checkpoint's model's on step 5's microbatches, to fp32 rounding (1e-5 relative);
-    # Hugging Face's weights, 4 steps at lr 1e-3 behind, are ~1e-2 off
+    # fine-tuned 2 steps from Hugging Face's weights, then resumed with --init_from still given:
+    # step 3 starts from ckpt.pt's weights, not Hugging Face's. Its logged loss (before its update)
+    # is the checkpoint's model's on step 3's microbatches, to fp32 rounding (1e-5 relative);
+    # Hugging Face's weights, 2 steps at lr 1e-3 behind, are ~1e-2 off
     out = tmp_path / 'out'
     flags = FT + ['--data_dir', data_dir, '--out_dir', str(out), '--init_from', hf_folder[0], '--mode', 'gpu',
-                  '--device', 'cpu']
-    hg.main(flags + ['--max_iters', '4'])
-    hg.main(flags + ['--max_iters', '5', '--resume'])
+                  '--device', 'cpu', '--eval_interval', '2']
+    hg.main(flags + ['--max_iters', '2'])
+    hg.main(flags + ['--max_iters', '3', '--resume'])
     row = [json.loads(line) for line in open(out / 'metrics.jsonl')][-1]
     cfg = hg.parse_args(flags)[0]
-    ck = torch.load(out / 'ckpt.prev.pt', weights_only=True)  # (step 4's: the resumed run saved step 5's)
+    ck = torch.load(out / 'ckpt.prev.pt', weights_only=True)  # (step 2's: the resumed run saved step 3's)
     model = hg.GPT(hg.GPTConfig(**ck['model_args']))
     model.load_state_dict(ck['model'])
-    batches = hg.step_batches(cfg, prepare_data.load(data_dir, 'tiny', 32, 50257)['train'], 4)
+    batches = hg.step_batches(cfg, prepare_data.load(data_dir, 'tiny', 32, 50257)['train'], 2)
     logits = dict(ckpt=lambda x: model(x, x)[0], hf=lambda x: hf_folder[1](x).logits)
     with torch.no_grad():
         losses = {name: sum(torch.nn.functional.cross_entropy(f(x).flatten(0, 1), y.flatten()).item()
                             for x, y in batches) / 2 for name, f in logits.items()}
-    assert ck['iter_num'] == 4 and row['step'] == 5 and abs(row['loss'] - losses['ckpt']) <= 1e-5 * losses['ckpt']
+    assert ck['iter_num'] == 2 and row['step'] == 3 and abs(row['loss'] - losses['ckpt']) <= 1e-5 * losses['ckpt']
     assert abs(losses['hf'] - losses['ckpt']) > 1e-3, losses  # (the check can tell them apart)
