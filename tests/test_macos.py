@@ -330,7 +330,7 @@ say('cache', sorted(os.listdir('c/compiled')))
 # the compute plan; of a program with a gather, which the ANE has no unit for
 say('placement', programs.macos_placement(new))
 from coremltools.converters.mil import Builder as mb
-prog = hg.mil_program(lambda o, x: {'y': hg.MILTensor(mb.gather(x=x.v, indices=np.array([1, 0], np.int32), axis=0)) * 2.0},
+prog = hg.mil_program(lambda o, x: {'y': hg.MILTensor(mb.gather(x=x.var, indices=np.array([1, 0], np.int32), axis=0)) * 2.0},
                       {'x': (2, 32)})
 ct.convert(prog, convert_to='mlprogram', minimum_deployment_target=ct.target.macOS13, skip_model_load=True).save('g.mlpackage')
 ct.utils.compile_model('g.mlpackage', 'g.mlmodelc')
