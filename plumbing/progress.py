@@ -141,7 +141,7 @@ def log_line(row, total):
         eng = ', '.join(f"{k[:-len('_tokens_per_s')]} {row[k]:,.0f}" for k in row
                         if k.endswith('_tokens_per_s') and k != 'tokens_per_s')
         parts.append(f"{row['tokens_per_s']:,.0f} tokens/s" + (f" ({eng})" if eng else ''))
-    if 'ane_microbatches' in row:
+    if 'ane_microbatches' in row and row.get('mode') != 'gpu':
         parts.append(f"ANE {row['ane_microbatches']}/{row['microbatches']} microbatches")
     if 'joules_per_token' in row:
         parts.append(f"{row['joules_per_token']:.3g} J/token")
