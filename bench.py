@@ -125,10 +125,10 @@ def bench(cfg, given):
         dj = f"{100 * (r['j_tok'] / g['j_tok'] - 1):+.1f}%" if r['j_tok'] and g['j_tok'] else 'n/a'
         print(f"{mode:8} {r['tok_s']:10.0f} {r['tok_s'] / g['tok_s']:10.3f} {jt:>10} {dj:>14}  {r['split']}")
     s = rows['gpu']['tok_s'] + rows['ane']['tok_s']
-    print(f"hetero / (gpu + ane alone) = {rows['hetero']['tok_s'] / s:.3f}: the share of the two engines' summed "
-          f"speeds that hetero reaches (1.0: perfect overlap); medians of {cfg.bench_repeats} rounds of "
-          f"{cfg.bench_iters} steps per mode" + ('' if g['j_tok'] else "; J/token n/a: no energy meter here "
-                                                 "(on a Mac, powermetrics needs `sudo -v` first)"))
+    print(f"hetero / (gpu + ane alone) = {rows['hetero']['tok_s'] / s:.3f} (the share of the two engines' summed "
+          f"speeds that hetero reaches, 1.0 a perfect overlap; medians of {cfg.bench_repeats} rounds of "
+          f"{cfg.bench_iters} steps per mode)" + ('' if g['j_tok'] else "; J/token n/a: no energy meter here "
+                                                  "(on a Mac, powermetrics needs `sudo -v` first)"))
     return rows
 
 

@@ -133,7 +133,7 @@ def test_bench_help_shows_its_own_flags_first(capsys):
 
 def test_a_log_that_is_not_a_terminal_is_lines_with_the_projected_time(data_dir, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, 'hetero_gpt.py'),
-                        *helpers.flags(data_dir, tmp_path / 'o', max_iters=8, log_interval=2, quiet=None)],
+                        *helpers.flags(data_dir, tmp_path / 'o', max_iters=8, log_interval=2, eval_interval=4, quiet=None)],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
     assert '\r' not in r.stdout + r.stderr  # no progress bar redrawn in a file
