@@ -125,9 +125,9 @@ def header(model, mode, engines, meter):
 def meter_text(meter):
     if meter.meters or not meter.missing:
         return f"energy meter: {meter.name}"
-    sudo = any('sudo' in m or 'powermetrics' in m.lower() for m in meter.missing)
-    return ("no J/token: powermetrics needs root (run `sudo -v` first, then train)" if sudo
-            else f"no J/token (none of: {'; '.join(meter.missing)})")
+    sudo = any('sudo' in m for m in meter.missing)  # (powermetrics needs root)
+    return (f"energy meter: none, so no J/token ({'; '.join(meter.missing)})"
+            + ("; `sudo -v` just before the run gives it" if sudo else ''))
 
 
 def log_line(row, total):

@@ -250,7 +250,8 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print):
     settings the user did not give; on a Mac, mac_defaults."""
     device = resolve_device(cfg.device)
     defaults, why = ((cpu_defaults, "no GPU: small model and short run for the CPU") if device.type == 'cpu' else
-                     (mac_defaults, "on a Mac: microbatches that fit a 16 GB one") if ON_MAC else ({}, ''))
+                     (mac_defaults, "on a Mac: a run sized for an hour on a base chip (--preset gpt2: GPT-2 124M)"
+                      if 'n_layer' in mac_defaults else "on a Mac: microbatches that fit a 16 GB one") if ON_MAC else ({}, ''))
     changed = {k: v for k, v in defaults.items() if k not in given}
     for k, v in changed.items():
         setattr(cfg, k, v)

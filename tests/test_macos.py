@@ -15,6 +15,7 @@ import torch
 
 import hetero_gpt as hg
 import helpers
+from tools import ane_check
 from plumbing import memory
 from plumbing import programs as coreml_programs
 from plumbing import settings
@@ -151,7 +152,7 @@ def test_the_self_check_every_stage_passes_and_reuses_the_cache(tmp_path):
     check = [os.path.join(ROOT, 'export_ane.py'), '--check', *TINY, '--vocab_size', '512', '--gpu_batch', '2',
              '--ane_batch_size', '2']
     r = mac(check, tmp_path)
-    doc = json.load(open(tmp_path / 'ane_check.json'))
+    doc = json.load(open(tmp_path / 'out' / 'ane_check.json'))  # beside the trainer's programs
     status = {s['name']: s['status'] for s in doc['stages']}
     assert r.returncode == 0 and set(status.values()) == {'ok'}, (status, r.stdout[-3000:])
     res = {s['name']: s['result'] for s in doc['stages']}
@@ -167,13 +168,18 @@ def test_the_self_check_every_stage_passes_and_reuses_the_cache(tmp_path):
         assert w['CPU'] > 0 and w['GPU'] / w['CPU'] == pytest.approx(3.0, rel=0.02), w
         assert w['ANE'] / w['CPU'] == pytest.approx(0.5, rel=0.02), w
     assert res['projection']['hetero_tokens_per_s'] > 0
-    compiles = sum(e[0] == 'compile' and 'ane_programs' in e[1] for e in coreml_log(tmp_path))
+    trainers = os.path.join('out', 'ane_B2_T32')  # the folder the trainer reads for this run
+    compiles = sum(e[0] == 'compile' and trainers in e[1] for e in coreml_log(tmp_path))
     assert compiles == 3  # each program once: the timings load the cached model
     r = mac(check + ['--stages', 'coreml'], tmp_path)
-    doc = json.load(open(tmp_path / 'ane_check.json'))
-    assert r.returncode == 0 and [s['name'] for s in doc['stages']] == ['coreml'], r.stdout[-2000:]
-    assert all(rec['cached'] for rec in doc['stages'][0]['result'].values())
-    assert sum(e[0] == 'compile' and 'ane_programs' in e[1] for e in coreml_log(tmp_path)) == 3
+    doc = json.load(open(tmp_path / 'out' / 'ane_check.json'))  # merged: every stage still there
+    assert r.returncode == 0 and [s['name'] for s in doc['stages']] == [s for s, _, _ in ane_check.STAGES], r.stdout[-2000:]
+    assert all(rec['cached'] for rec in res_of(doc)['coreml'].values()) and 'merged: coreml re-run' in r.stdout
+    assert sum(e[0] == 'compile' and trainers in e[1] for e in coreml_log(tmp_path)) == 3
+
+
+def res_of(doc):
+    return {s['name']: s.get('result') for s in doc['stages']}
 
 
 @pytest.mark.slow

@@ -142,3 +142,27 @@ def test_a_log_that_is_not_a_terminal_is_lines_with_the_projected_time(data_dir,
     assert all(' tokens/s' in s and 'loss ' in s for s in steps)
     projected = [line for line in r.stdout.splitlines() + r.stderr.splitlines() if line.startswith('projected: ')]
     assert len(projected) == 1 and 'steps left to --max_iters 8 take' in projected[0]
+
+
+@pytest.mark.parametrize('flags', [[], ['--preset', 'gpt2'], ['--n_layer', '2', '--n_head', '2', '--n_embd', '64',
+                                                               '--block_size', '32']])
+def test_the_check_exports_where_the_trainer_reads(monkeypatch, flags):
+    # export_ane.py --check's defaults are the trainer's on a Mac (model, microbatch, calls), and its
+    # programs go to the very folder that run's trainer reads, so the check warms the trainer's cache
+    import export_ane
+    seen = {}
+    monkeypatch.setattr(export_ane.ane_check, 'main', lambda cfg, B, T, out, gpu_batch, *a, **k: seen.update(
+        cfg=cfg, B=B, T=T, out=out, gpu_batch=gpu_batch, run_tokens=k['run_tokens']) or 0)
+    assert export_ane.main(['--check', *flags]) == 0
+    monkeypatch.setattr(hg.settings, 'ON_MAC', True)
+    monkeypatch.setattr(hg.settings, 'resolve_device', lambda name, flag='--device': torch.device('mps'))
+    for check in ('check_mps', 'check_coreml', 'check_ane_alignment'):
+        monkeypatch.setattr(hg.settings, check, lambda *a, **k: None)
+    cfg, given = hg.parse_args(flags)
+    hg.setup(cfg, given, log=lambda s: None)
+    monkeypatch.setattr(hg.programs, 'ensure', lambda path, *a: path)
+    monkeypatch.setattr(hg, 'ON_MAC', True)
+    spec = hg.ane_spec(cfg, torch.float16)
+    assert (seen['out'], seen['B'], seen['T'], seen['gpu_batch']) == (spec['programs'], spec['B'], spec['T'], cfg.batch_size)
+    assert seen['cfg'] == hg.model_config(cfg)
+    assert seen['run_tokens'] == cfg.max_iters * cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
