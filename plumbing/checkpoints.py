@@ -79,7 +79,7 @@ def restore(cfg, given, path, rank=0, log=print):
     if wrong := [k for k in MODEL if k in given and k in saved and getattr(cfg, k) != saved[k]]:
         raise UserError(f"--resume: {path} holds a model of " + ', '.join(f'{k}={saved[k]}' for k in MODEL if k in saved)
                         + "; leave out " + ' '.join(f'--{k}' for k in wrong) + " (its size comes from the "
-                        "checkpoint), or start a new run with a new --out_dir")
+                        "checkpoint), or start over with --overwrite or a new --out_dir")
     changed = [f"--{k} {getattr(cfg, k)} (was {saved[k]})" for k in RESUMED
                if k in given and k in saved and getattr(cfg, k) != saved[k]]
     restored = {k for k in RESUMED if k in saved and k not in given}
