@@ -106,6 +106,11 @@ def test_the_report_and_its_schema(tmp_path):
     assert table['projection'][2].startswith('gpu: 2,287 tokens/s, the default run in 2h 23m; ane: 24 tokens/s, the '
                                              'default run in 227h 33m; hetero: 2,470 tokens/s, the default run in 2h 12m')
     assert table['energy'][2].strip(' |\n') == 'needs sudo' and table['coreml'][1] == '1m 04s'
+    # engines that slow each other past 1.25x: a note, not a failure (the path works; hetero gains less)
+    slow = dict(records()[4], result=dict(gpu_alone=0.01, gpu_beside=0.013, ane_alone=1.0, ane_beside=1.0))
+    assert ane_check.verdict_of(slow)[0] == 'warn' and '(1.30x)' in ane_check.verdict_of(slow)[1]
+    watts = dict(name='energy', status='ok', seconds=1.0, result=dict(gpu_alone_watts={'CPU': 3.04, 'GPU': 9.0}))
+    assert ane_check.verdict_of(watts) == ('pass', 'GPU alone: CPU 3.0 W, GPU 9.0 W')
     assert not re.search(r'\d\.\d{6,}', open(tmp_path / 'ane_check.md').read().replace('0.998700', ''))
     mine = tmp_path / 'mine.json'
     mine.write_text('{"notes": 1}')

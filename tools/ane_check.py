@@ -202,8 +202,9 @@ OVERLAP_OK = 1.25  # beside/alone: each engine at least 80% of its speed alone
 
 
 def verdict_of(r):
-    """(pass | fail | skipped | needs macOS | interrupted | failed | killed | timeout, the one
-    figure README tells the reader to look at, rounded) of a stage's record."""
+    """(pass | warn | fail | skipped | needs macOS | interrupted | failed | killed | timeout, the
+    figure README tells the reader to look at, rounded) of a stage's record. warn: a measure
+    that lowers hetero's gain, not a fault of the path."""
     status, res = r['status'], r.get('result') or {}
     if status != 'ok':
         return status, r.get('error', {'needs macOS': 'runs on a Mac only',
@@ -221,16 +222,17 @@ def verdict_of(r):
         if 'worst_norm_ratio' in res:
             text += f"; norm ratio {res['worst_norm_ratio']:.4f}"
         return ('pass' if res.get('passed') else 'fail'), text
-    if name in ('concurrency', 'energy') and 'gpu_alone' in res:
+    if name == 'energy':  # watts of the whole chip while each engine runs alone
+        return 'pass', '; '.join(f"{k.split('_')[0].upper()} alone: " + ', '.join(f"{p} {w:.1f} W" for p, w in v.items())
+                                 for k, v in res.items() if k.endswith('_alone_watts'))
+    if name == 'concurrency' and 'gpu_alone' in res:
         g, a = res['gpu_beside'] / res['gpu_alone'], res['ane_beside'] / res['ane_alone']
         text = (f"GPU step {1e3 * res['gpu_beside']:.4g} ms beside the ANE, {1e3 * res['gpu_alone']:.4g} ms alone "
                 f"({g:.2f}x); ANE call {1e3 * res['ane_beside']:.4g} ms beside the GPU, {1e3 * res['ane_alone']:.4g} "
-                f"ms alone ({a:.2f}x); at most {OVERLAP_OK}x passes")
-        if name == 'energy':
-            text += '; ' + ', '.join(f"{k.split('_')[0]} alone {sum(v.values()):.1f} W" for k, v in res.items()
-                                     if k.endswith('_watts'))
+                f"ms alone ({a:.2f}x)")
+        if max(g, a) <= OVERLAP_OK:
             return 'pass', text
-        return ('pass' if max(g, a) <= OVERLAP_OK else 'fail'), text
+        return 'warn', text + f": above {OVERLAP_OK}x the engines slow each other, and hetero gains less"
     if name == 'projection':
         if 'gpu_tokens_per_s' not in res:
             return 'pass', f"memory {res['memory_gib']} GiB of {res['machine_gib']}; tokens/s need the concurrency stage (macOS)"
@@ -555,6 +557,9 @@ def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print, run_t
         return progress.INTERRUPTED
     log(f"wrote {md} (a verdict per stage) and {written} (everything: paste it into a bug report); {how}")
     bad = [n for n in (r['name'] for r in records if verdict_of(r)[0] in ('fail', 'failed', 'killed', 'timeout'))]
+    for r in records:
+        if verdict_of(r)[0] == 'warn':
+            log(f"note, {r['name']}: {verdict_of(r)[1]}")
     if bad:
         log("FAILED: " + ', '.join(bad))
     return 1 if bad else 0
