@@ -37,12 +37,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import prepare_data  # defines: load (checked token arrays), DataError, get_encoding
-from plumbing import checkpoints  # defines: check_out_dir, restore, resume, state, save_checkpoint, diverged, closing_sample
+from plumbing import checkpoints  # defines: check_out_dir, restore, delete, resume, state, save_checkpoint, diverged, closing_sample
 from plumbing import distributed  # defines: join_ranks, rank_share, all_reduce_sum, gather, leave
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
 from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
-from plumbing import progress  # defines: Ticker, Eta, log_line, interrupted (what a person sees)
+from plumbing import progress  # defines: Eta, first_step, show, header, stop_run, ctrl_c_exits (what a person sees)
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, numpy_programs, the ANE's limits
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
@@ -1269,9 +1269,9 @@ def setup(cfg, given, log=print):
 def train(cfg, given=frozenset()):
     rank, world = distributed.join_ranks(cfg)
     ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
-    given = given | checkpoints.restore(cfg, given, ckpt_path, rank)  # --resume: the run's own settings
-    init, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given))  # (rank 0 downloads)
-    device, dtype = setup(cfg, given | fixed)  # the flags init fixed, as if given: no machine default for them
+    restored = checkpoints.restore(cfg, given, ckpt_path, rank)  # --resume: the run's own settings
+    init, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given | restored))  # (rank 0 downloads)
+    device, dtype = setup(cfg, given | restored | fixed)  # the flags init fixed, as if given: no machine default for them
     old_run = checkpoints.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
     data = distributed.rank0_first(lambda: load_data(cfg))  # (rank 0 prepares a set that is missing)
     torch.manual_seed(cfg.seed)

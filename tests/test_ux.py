@@ -96,7 +96,7 @@ def test_ctrl_c_while_the_ane_worker_starts_is_one_line_and_130(shakespeare, tmp
 def test_resume_takes_the_runs_own_settings(data_dir, tmp_path, capsys):
     # a run of 2 microbatches of 2 (one block): --resume with only --max_iters continues it with its own
     # batch, model and schedule, naming the one flag given; a model flag that disagrees is refused at once
-    helpers.train(data_dir, tmp_path / 'r', max_iters=4)
+    helpers.train(data_dir, tmp_path / 'r', max_iters=4, mode='hetero', ane_fraction=0.5)
     capsys.readouterr()
     bare = ['--data_dir', data_dir, '--dataset', 'tiny', '--out_dir', str(tmp_path / 'r'), '--device', 'cpu',
             '--ane_worker', 'false', '--quiet', '--sample_tokens', '0', '--resume']
@@ -106,8 +106,10 @@ def test_resume_takes_the_runs_own_settings(data_dir, tmp_path, capsys):
     assert f"--resume: continuing the run in {tmp_path / 'r'} with its own settings; given here instead: " \
            "--max_iters 6 (was 4)" in said
     assert (cfg.batch_size, cfg.gradient_accumulation_steps, cfg.n_layer, cfg.n_embd, cfg.block_size) == (2, 2, 1, 16, 16)
+    assert (cfg.mode, cfg.ane_fraction) == ('hetero', '0.5')
     assert model.config.n_layer == 1 and helpers.rows(tmp_path / 'r')[-1]['step'] == 6
     assert 'no GPU: small model' not in said  # the machine's defaults did not replace the run's
+    assert 'replaces the checkpoint' not in said  # a setting restored is not a flag given: the split goes on
     cfg, given = hg.parse_args(bare + ['--n_layer', '2'])
     with pytest.raises(hg.UserError, match=r'--resume: .* holds a model of .*n_layer=1.*leave out --n_layer'):
         hg.train(cfg, given)
@@ -166,3 +168,13 @@ def test_the_check_exports_where_the_trainer_reads(monkeypatch, flags):
     assert (seen['out'], seen['B'], seen['T'], seen['gpu_batch']) == (spec['programs'], spec['B'], spec['T'], cfg.batch_size)
     assert seen['cfg'] == hg.model_config(cfg)
     assert seen['run_tokens'] == cfg.max_iters * cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
+
+
+def test_ctrl_c_in_bench_is_one_line_and_130(data_dir, tmp_path):
+    proc = start([os.path.join(ROOT, 'bench.py'), *helpers.flags(data_dir, tmp_path / 'b', quiet=None),
+                  '--bench_iters', '100000'], tmp_path)
+    until(proc, 'gpu: building')
+    out, err = ctrl_c(proc, 3)
+    assert proc.returncode == 130, err
+    assert 'Traceback' not in err and err.strip().splitlines()[-1] == 'interrupted', err
+    no_children(proc)

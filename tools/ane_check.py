@@ -8,8 +8,11 @@ and how fast; and the report of what the programs hold against the analytic FLOP
 Each stage runs in a child process of its own (spawn) with its own timeout, so a stage that
 hangs, raises or is killed (a failed ANE compile kills its process at the first predict,
 coremltools #2758) is reported and the next stage still runs. Off macOS the stages that need
-Core ML, MPS or powermetrics are marked 'needs macOS'. The whole record goes to
-ane_check.json (paste it into a bug report), a summary to ane_check.md.
+Core ML, MPS or powermetrics are marked 'needs macOS'; one that returns {'skipped': why} is
+skipped. The programs go to the trainer's folder for the run (out/ane_B{B}_T{T}), compiled, so
+the trainer starts from them. The whole record goes to out/ane_check.json (paste it into a bug
+report), a verdict per stage to out/ane_check.md. Ctrl-C stops the stage under way, keeps the
+report of those before it and exits 130.
 """
 import dataclasses
 import importlib
