@@ -1259,8 +1259,8 @@ def build_run(cfg, device, dtype, mode, log=print):
 
 def setup(cfg, given, log=print):
     """Checks the configuration (settings.check) and resolves what 'auto' means here."""
-    gpt2 = cfg.preset == 'gpt2' or 'n_layer' in given  # (a fine-tuned GPT-2 fixes its size)
-    device, dtype = settings.check(cfg, given, {} if gpt2 else CPU_DEFAULTS, MAC_GPT2 if gpt2 else MAC_DEFAULTS, log)
+    gpt2, mac = cfg.preset == 'gpt2', MAC_GPT2 if cfg.preset == 'gpt2' or 'n_layer' in given else MAC_DEFAULTS
+    device, dtype = settings.check(cfg, given, {} if gpt2 else CPU_DEFAULTS, mac, log)  # (a model given: Mac's 2x16)
     if device.type == 'cuda':  # as nanoGPT: fp32 matmuls on tensor cores (TF32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return device, dtype
