@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 import hetero_gpt as hg  # defines: Config, setup, load_data, build_run, step_batches, main
+from plumbing import progress  # defines: Ticker, clock (each mode's time while it runs)
 
 
 @dataclass
@@ -30,6 +31,60 @@ def device_synchronize(device):
         torch.cuda.synchronize(device)
     elif device.type == 'mps':  # torch.mps.synchronize() holds the GIL while it waits (coreml_and_ane.md
         torch.ones((), device=device).item()  # section 1); .item() waits for MPS's one queue without it
+
+
+def bench_mode(cfg, device, dtype, mode, data, init, tok_per_step, n_tok, ticker):
+    """One mode built, warmed up, timed for bench_repeats rounds and freed: its row. ticker.what
+    says which part runs."""
+    model, optimizer, engines, step, meter = hg.build_run(cfg, device, dtype, mode)
+    try:
+        model.load_state_dict(init)
+        threads = torch.get_num_threads()  # hetero with a CPU engine leaves a core free
+        rd = dict(tok_s=[], joules=[], engine_s={}, step_s=[])
+
+        def sync():  # every engine's work done, so that a round's time holds all of it
+            for d in {device} | {e.device for e in engines.values()}:
+                device_synchronize(d)
+
+        def train_step(it):
+            torch.set_num_threads(threads)
+            return step.update(step(hg.step_batches(cfg, data['train'], it)))
+
+        w, start = 0, time.perf_counter()  # warm-up: at least 5 steps and 3 s (clocks, allocator, the auto split)
+        while w < 5 or time.perf_counter() - start < 3.0:
+            ticker.what = f"  {mode}: warm-up step {w + 1}"
+            train_step(w)
+            w += 1
+        for r in range(cfg.bench_repeats):
+            sync()
+            t0, j0 = time.perf_counter(), meter.joules()
+            for i in range(cfg.bench_iters):
+                ticker.what = f"  {mode}: round {r + 1}/{cfg.bench_repeats}, step {i + 1}/{cfg.bench_iters}"
+                t = time.perf_counter()
+                out = train_step(10**6 + r * cfg.bench_iters + i)  # the same batches in every mode
+                rd['step_s'].append(time.perf_counter() - t)
+                for n, res in out['results'].items():
+                    rd['engine_s'].setdefault(n, []).append(res['seconds'])
+            sync()
+            dt, j = time.perf_counter() - t0, meter.joules()
+            rd['tok_s'].append(tok_per_step * cfg.bench_iters / dt)
+            rd['joules'].append(None if j is None else j - j0)
+        return dict(tok_s=statistics.median(rd['tok_s']), rounds=[round(x) for x in rd['tok_s']],
+                    j_tok=None if None in rd['joules'] else sum(rd['joules']) / n_tok,
+                    split=f"{out['k']}/{step.split.n}" if mode == 'hetero' else '-',
+                    engines=' + '.join(e.label for e in engines.values()), meter=meter.name,
+                    # where a step's time goes: each engine's share (in parallel), the whole step
+                    ms_step=1000 * statistics.median(rd['step_s']),
+                    ms_engines={n: round(1000 * statistics.median(v), 1) for n, v in rd['engine_s'].items()})
+    finally:
+        meter.close()
+        for e in engines.values():  # the ANE worker's process and shared memory, now
+            if hasattr(e, 'close'):
+                e.close()
+        del model, optimizer, engines, step
+        gc.collect()
+        if device.type == 'mps':  # (its allocator keeps freed memory, which the host shares)
+            torch.mps.empty_cache()
 
 
 def bench(cfg, given):
@@ -52,52 +107,17 @@ def bench(cfg, given):
     n_tok = tok_per_step * cfg.bench_iters * cfg.bench_repeats
     rows = {}
     for mode in ('gpu', 'ane', 'hetero'):
-        model, optimizer, engines, step, meter = hg.build_run(cfg, device, dtype, mode)
-        model.load_state_dict(init)
-        threads = torch.get_num_threads()  # hetero with a CPU engine leaves a core free
-        rd = dict(tok_s=[], joules=[], engine_s={}, step_s=[])
-
-        def sync():  # every engine's work done, so that a round's time holds all of it
-            for d in {device} | {e.device for e in engines.values()}:
-                device_synchronize(d)
-
-        def train_step(it):
-            torch.set_num_threads(threads)
-            return step.update(step(hg.step_batches(cfg, data['train'], it)))
-
-        w, start = 0, time.perf_counter()  # warm-up: at least 5 steps and 3 s (clocks, allocator, the auto split)
-        while w < 5 or time.perf_counter() - start < 3.0:
-            train_step(w)
-            w += 1
-        for r in range(cfg.bench_repeats):
-            sync()
-            t0, j0 = time.perf_counter(), meter.joules()
-            for i in range(cfg.bench_iters):
-                t = time.perf_counter()
-                out = train_step(10**6 + r * cfg.bench_iters + i)  # the same batches in every mode
-                rd['step_s'].append(time.perf_counter() - t)
-                for n, res in out['results'].items():
-                    rd['engine_s'].setdefault(n, []).append(res['seconds'])
-            sync()
-            dt, j = time.perf_counter() - t0, meter.joules()
-            rd['tok_s'].append(tok_per_step * cfg.bench_iters / dt)
-            rd['joules'].append(None if j is None else j - j0)
-        rows[mode] = dict(tok_s=statistics.median(rd['tok_s']), rounds=[round(x) for x in rd['tok_s']],
-                          j_tok=None if None in rd['joules'] else sum(rd['joules']) / n_tok,
-                          split=f"{out['k']}/{step.split.n}" if mode == 'hetero' else '-',
-                          engines=' + '.join(e.label for e in engines.values()), meter=meter.name,
-                          # where a step's time goes: each engine's share (in parallel), the whole step
-                          ms_step=1000 * statistics.median(rd['step_s']),
-                          ms_engines={n: round(1000 * statistics.median(v), 1) for n, v in rd['engine_s'].items()})
-        print(f"{mode}: {rows[mode]}")
-        meter.close()
-        for e in engines.values():  # the ANE worker's process and shared memory, now
-            if hasattr(e, 'close'):
-                e.close()
-        del model, optimizer, engines, step
-        gc.collect()
-        if device.type == 'mps':  # (its allocator keeps freed memory, which the host shares)
-            torch.mps.empty_cache()
+        print(f"{mode}: building, warming up (5 steps and 3 s), then {cfg.bench_repeats} rounds of "
+              f"{cfg.bench_iters} steps", flush=True)
+        ticker = progress.Ticker(f"  {mode}: building").__enter__()
+        try:
+            rows[mode] = bench_mode(cfg, device, dtype, mode, data, init, tok_per_step, n_tok, ticker)
+        finally:
+            ticker.__exit__()
+        r = rows[mode]
+        print(f"  {mode}: {r['tok_s']:,.0f} tokens/s (rounds: {', '.join(f'{x:,}' for x in r['rounds'])}), "
+              f"{r['ms_step']:.4g} ms a step ({', '.join(f'{n} {v:.4g} ms' for n, v in r['ms_engines'].items())} "
+              f"in parallel), split {r['split']}, {r['engines']}", flush=True)
     g = rows['gpu']
     print(f"\n{'mode':8} {'tokens/s':>10} {'x GPU-only':>10} {'J/token':>10} {'energy vs GPU':>14}  ANE share")
     for mode, r in rows.items():
@@ -105,10 +125,12 @@ def bench(cfg, given):
         dj = f"{100 * (r['j_tok'] / g['j_tok'] - 1):+.1f}%" if r['j_tok'] and g['j_tok'] else 'n/a'
         print(f"{mode:8} {r['tok_s']:10.0f} {r['tok_s'] / g['tok_s']:10.3f} {jt:>10} {dj:>14}  {r['split']}")
     s = rows['gpu']['tok_s'] + rows['ane']['tok_s']
-    print(f"hetero / (gpu + ane alone) = {rows['hetero']['tok_s'] / s:.3f} "
-          f"(medians of {cfg.bench_repeats} rounds of {cfg.bench_iters} steps per mode)")
+    print(f"hetero / (gpu + ane alone) = {rows['hetero']['tok_s'] / s:.3f} (the share of the two engines' summed "
+          f"speeds that hetero reaches, 1.0 a perfect overlap; medians of {cfg.bench_repeats} rounds of "
+          f"{cfg.bench_iters} steps per mode)" + ('' if g['j_tok'] else "; J/token n/a: no energy meter here "
+                                                  "(on a Mac, powermetrics needs `sudo -v` first)"))
     return rows
 
 
 if __name__ == '__main__':
-    hg.main(run=bench, cls=BenchConfig)
+    hg.main(run=bench, cls=BenchConfig, description=__doc__)

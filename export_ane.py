@@ -3,7 +3,8 @@ Export HeteroEngine's training step (forward + loss + backward of GPT-2) as the 
 programs the ANE engine chains (a block's forward, a block's backward, the head), and
 report what is in them.
 
-    python export_ane.py                                           # GPT-2 124M, 4x1024 tokens a call
+    python export_ane.py                          # the trainer's Mac default, into out/ane_B4_T256
+    python export_ane.py --preset gpt2 --ane_batch_size 4          # GPT-2 124M, 4x1024 tokens a call
     python export_ane.py --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 --ane_batch_size 8 --out tiny
     python export_ane.py --whole_step --out ane_step               # the whole step as one program
     python export_ane.py ... --check                               # on macOS: on the ANE
@@ -15,6 +16,7 @@ refused. --check runs the staged self-check (tools/ane_check.py) and writes ane_
 """
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -59,37 +61,58 @@ def print_report(reports, cfg, B, T):
           f"largest dimension {st['largest_dim']} (ANE limit {programs.ANE_MAX_DIM})")
 
 
+def trainer_run(a, given):
+    """The run the trainer makes on a Mac with these flags (its defaults: MAC_DEFAULTS, or with
+    --preset gpt2 GPT-2 124M in microbatches of 2): the exporter's and the check's defaults."""
+    mac = dict(hg.MAC_GPT2 if a.preset == 'gpt2' or 'n_layer' in given else hg.MAC_DEFAULTS)
+    model = {f.name: getattr(a, f.name) for f in dataclasses.fields(hg.GPTConfig) if f.name in given}
+    run = hg.Config(**(mac | model))
+    if a.ane_batch_size:
+        run.ane_batch_size = a.ane_batch_size
+    if a.gpu_batch:
+        run.batch_size = a.gpu_batch
+    return run
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     settings.add_flags(p, hg.GPTConfig)  # the model's flags, as hetero_gpt.py's
-    p.add_argument('--ane_batch_size', type=int, help="sequences per ANE call (B), as the trainer's flag "
-                   f"(default {settings.ANE_BATCH}; with --check, the trainer's on a Mac)")
-    p.add_argument('--out', default='ane_programs', help="the folder to save the programs in")
+    p.add_argument('--preset', default='', help="gpt2: GPT-2 124M, as the trainer's --preset gpt2 (default: the "
+                   "trainer's Mac default, a 6-layer 384-wide GPT-2 of 256 tokens)")
+    p.add_argument('--ane_batch_size', type=int, default=0, help="sequences per ANE call (B), as the trainer's flag "
+                   "(default: the trainer's on a Mac)")
+    p.add_argument('--out', default='', help="the folder of the programs (default: the trainer's, "
+                   "out/ane_B{B}_T{T}: the trainer finds them there, compiled)")
     p.add_argument('--whole_step', action='store_true', help="the whole step as one program, to compare")
     p.add_argument('--check', action='store_true', help="the staged self-check: what the ANE path does here")
     p.add_argument('--gpu_batch', type=int, default=0, help="with --check: the GPU engine's microbatch (default: the trainer's on a Mac)")
-    p.add_argument('--check_report', default='ane_check.json', help="with --check: the report (and its .md summary)")
+    p.add_argument('--check_report', default=os.path.join('out', 'ane_check.json'),
+                   help="with --check: the report (and its .md summary)")
     p.add_argument('--stage_timeout', type=float, default=3600.0, help="with --check: seconds a stage may take")
-    p.add_argument('--stages', default='', help="with --check: only these stages, comma-separated (default: all)")
+    p.add_argument('--stages', default='', help="with --check: only these stages, comma-separated (default: all); "
+                   "merged into an earlier report of the same model")
     a = p.parse_args(argv)
+    given = {x.split('=')[0][2:] for x in (argv if argv is not None else sys.argv[1:]) if x.startswith('--')}
     try:
-        cfg = hg.GPTConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(hg.GPTConfig)})
+        run = trainer_run(a, given)
+        cfg = hg.model_config(run)
         settings.check_model(cfg)
-        mac = hg.Config(**hg.MAC_DEFAULTS)  # what the trainer uses on a Mac
-        B, T = a.ane_batch_size or (settings.ane_batch(mac) if a.check else settings.ANE_BATCH), a.block_size
+        B, T = settings.ane_batch(run), cfg.block_size
+        out = a.out or os.path.join('out', f'ane_B{B}_T{T}')
         if settings.ON_MAC:  # (a coremltools without its native libraries cannot save a program either)
             settings.check_coreml()
             settings.check_ane_alignment(cfg, T)
         programs.check_shapes(B, T, cfg.block_size)
         if a.check:  # the programs are exported by its own stage, in a process of their own
-            gpu_batch = a.gpu_batch or mac.batch_size
-            if gpu_batch % B:
-                raise settings.UserError(f"--ane_batch_size {B} must divide --gpu_batch {gpu_batch}: the worker runs "
+            if run.batch_size % B:
+                raise settings.UserError(f"--ane_batch_size {B} must divide --gpu_batch {run.batch_size}: the worker runs "
                                          "the GPU's microbatch in calls of that many sequences")
-            return ane_check.main(cfg, B, T, a.out, gpu_batch, a.check_report, a.stage_timeout, a.stages)
+            tokens = run.max_iters * run.batch_size * run.gradient_accumulation_steps * T
+            return ane_check.main(cfg, B, T, out, run.batch_size, a.check_report, a.stage_timeout, a.stages,
+                                  run_tokens=tokens)
         t0 = time.perf_counter()
-        reports = export_programs(cfg, B, T, a.out, a.whole_step)
-        print(f"saved {a.out} ({cfg}, {B}x{T} tokens a call) in {time.perf_counter() - t0:.1f} s")
+        reports = export_programs(cfg, B, T, out, a.whole_step)
+        print(f"saved {out} ({cfg}, {B}x{T} tokens a call) in {time.perf_counter() - t0:.1f} s")
         print_report(reports, cfg, B, T)
     except settings.UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -37,11 +37,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import prepare_data  # defines: load (checked token arrays), DataError
-from plumbing import checkpoints  # defines: check_out_dir, resume, state, save_checkpoint, diverged, closing_sample
+from plumbing import checkpoints  # defines: check_out_dir, restore, delete, resume, state, save_checkpoint, diverged, closing_sample
 from plumbing import distributed  # defines: join_ranks, world, rank_share, rank0_first, from_rank0, all_reduce_sum, gather, check_same_weights, exit_naming_stopped, leave
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit), measured
 from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
+from plumbing import progress  # defines: Eta, first_step, show, header, stop_run, ctrl_c_exits (what a person sees)
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, check_shapes, coreml_predict, peaks
 from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype, import_coremltools, one_line
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
@@ -113,7 +114,8 @@ class Config(GPTConfig):
     max_bad_steps: int = setting(10, "stop after this many steps in a row without a usable gradient (0: never)")
     sample_tokens: int = setting(200, "tokens of text sampled at the end (0: none)")
     seed: int = setting(1337, "seed for weights and batch order")
-    quiet: bool = setting(False, "no progress bar")
+    quiet: bool = setting(False, "no progress bar (off a terminal: a line per logged step)")
+    preset: str = setting('', "gpt2: the paper's GPT-2 124M run on this machine too (default: its own defaults)")
     dist_timeout: float = setting(600.0, "under torchrun, seconds a rank waits for the others before it stops the run")
 
 
@@ -121,8 +123,10 @@ class Config(GPTConfig):
 CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8,
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
-# On a Mac: microbatches of 2 sequences, so that a 16 GB Mac holds GPT-2 124M.
-MAC_DEFAULTS = dict(batch_size=2, gradient_accumulation_steps=16)
+# On a Mac: a 30M GPT-2 at its best within an hour on a base chip; with --preset gpt2, 124M in 16 GB.
+MAC_DEFAULTS = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8, gradient_accumulation_steps=4,
+                    max_iters=600, learning_rate=1e-3, min_lr=1e-4, warmup_iters=50, eval_interval=50)
+MAC_GPT2 = dict(batch_size=2, gradient_accumulation_steps=16)
 
 
 # -----------------------------------------------------------------------------
@@ -1255,7 +1259,8 @@ def build_run(cfg, device, dtype, mode, log=print):
 
 def setup(cfg, given, log=print):
     """Checks the configuration (settings.check) and resolves what 'auto' means here."""
-    device, dtype = settings.check(cfg, given, CPU_DEFAULTS, MAC_DEFAULTS, log)
+    gpt2, mac = cfg.preset == 'gpt2', MAC_GPT2 if cfg.preset == 'gpt2' or 'n_layer' in given else MAC_DEFAULTS
+    device, dtype = settings.check(cfg, given, {} if gpt2 else CPU_DEFAULTS, mac, log)  # (a model given: Mac's 2x16)
     if device.type == 'cuda':  # as nanoGPT: fp32 matmuls on tensor cores (TF32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return device, dtype
@@ -1263,22 +1268,22 @@ def setup(cfg, given, log=print):
 
 def train(cfg, given=frozenset()):
     rank, world = distributed.join_ranks(cfg)
-    init, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given))  # (rank 0 downloads)
-    device, dtype = setup(cfg, given | fixed)  # the flags init fixed, as if given: no machine default for them
+    ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
+    restored = checkpoints.restore(cfg, given, ckpt_path, rank)  # --resume: the run's own settings
+    init, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given | restored))  # (rank 0 downloads)
+    device, dtype = setup(cfg, given | restored | fixed)  # the flags init fixed, as if given: no machine default for them
     old_run = checkpoints.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
     data = distributed.rank0_first(lambda: load_data(cfg))  # (rank 0 prepares a set that is missing)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir or '.', exist_ok=True)
-    ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
     log = tqdm.write if rank == 0 else lambda s: print(f"rank {rank}: {s}", file=sys.stderr)
     model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log)
     split = step.split
     if init and rank == 0 and not cfg.resume:  # (under torchrun the other ranks get rank 0's weights)
-        pretrained.load(model, cfg.init_from)
+        print(f"fine-tuning from the weights in {pretrained.load(model, cfg.init_from)}")
     it, tokens, elapsed, best_val, since_best = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
-    bad, best_due = 0, False  # steps in a row without a usable gradient; a best not saved yet
-    for path in old_run if rank == 0 else []:  # (--overwrite)
-        os.remove(path)
+    bad, best_due, in_step = 0, False, False  # steps in a row without a usable gradient; a best not saved yet
+    checkpoints.delete(old_run if rank == 0 else [])  # (--overwrite)
 
     def checkpoint(best=False):  # best: also as best.pt
         nonlocal best_due
@@ -1287,13 +1292,12 @@ def train(cfg, given=frozenset()):
             checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines, **counters), best)
         best_due = False
 
-    print(f"GPT-2 {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | mode {cfg.mode} | "
-          + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | energy meter: {meter.name}"
-          + (f" (none of: {'; '.join(meter.missing)})" if meter.missing and not meter.meters else ''))
+    print(progress.header(model, cfg.mode, engines, meter))  # size, mode, engines, energy meter
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     metrics = open(metrics_path if rank == 0 else os.devnull, 'a')
     evaluator = engines.get('gpu') or AutogradEngine(model, device, dtype)
-    bar = tqdm(total=cfg.max_iters, initial=it, disable=cfg.quiet, dynamic_ncols=True, desc='train')
+    bar = tqdm(total=cfg.max_iters, initial=it, disable=progress.no_bar(cfg.quiet), dynamic_ncols=True, desc='train')
+    eta = progress.Eta(it, cfg.max_iters, tok_per_step)  # the projected time, said once
     next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0
     j0, t_log, tok_log = meter.joules(), elapsed, 0
     stop = it >= cfg.max_iters or 0 < cfg.patience <= since_best  # (a resumed run may be done)
@@ -1306,9 +1310,10 @@ def train(cfg, given=frozenset()):
                 g['lr'] = lr
             t0 = time.perf_counter()
             microbatches = distributed.rank_share(step_batches(cfg, data['train'], it))
-            out = step(microbatches)  # both engines; the mean gradient into p.grad
-            step.update(out, cfg.grad_clip)  # one AdamW step
-            it += 1
+            with progress.first_step(it == eta.start):  # its time shown while it compiles and warms up
+                in_step, out = True, step(microbatches)  # both engines; the mean gradient into p.grad
+                step.update(out, cfg.grad_clip)  # one AdamW step
+            it, in_step = it + 1, False
             bad = 0 if out['n'] else bad + 1  # n: usable microbatches, over every rank
             tokens += tok_per_step
             tok_log += tok_per_step
@@ -1357,17 +1362,13 @@ def train(cfg, given=frozenset()):
                 metrics.flush()
                 if saving:
                     checkpoint(best=best_due)
-                bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
-                                 if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches')})
-                if bar.disable:
-                    print(' '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in row.items()))
+                progress.show(bar, row, cfg.max_iters, rank)  # on the bar, or a line of text
+            eta.say(it, elapsed, out['results'], cfg.batch_size * cfg.block_size, log if rank == 0 else None)
             bar.update(1)
         if it < cfg.max_iters:
             print(f"step {it}: stopped early, {since_best} evaluations without a lower validation loss (--patience)")
-    except KeyboardInterrupt:
-        checkpoint(best_due)
-        print(f"\ninterrupted: checkpoint saved at step {it} in {ckpt_path}; continue with --resume")
-        return model
+    except KeyboardInterrupt:  # saved, one line; mid-step it exits now (130), else main does
+        return progress.stop_run(lambda: checkpoint(best_due), f"saved step {it} in {ckpt_path}", in_step, model)
     finally:
         bar.close()
         meter.close()
@@ -1378,18 +1379,17 @@ def train(cfg, given=frozenset()):
     return model
 
 
-def parse_args(argv=None, cls=Config):
+def parse_args(argv=None, cls=Config, description="HeteroEngine: GPT-2 on GPU and ANE at once."):
     """(cls(...) from the flags, the names of the flags given)."""
-    return settings.parse_args(argv, cls, (
-        "HeteroEngine: GPT-2 on GPU and ANE at once. The defaults shown are GPT-2 124M's; on a machine without "
-        "a GPU flags not given take these instead: " + ', '.join(f'{k}={v}' for k, v in CPU_DEFAULTS.items())))
+    return settings.parse_args(argv, cls, description, settings.machine_defaults(CPU_DEFAULTS, MAC_DEFAULTS))
 
 
-def main(argv=None, run=train, cls=Config):
-    """Parses the flags (of cls) and runs `run(cfg, given)`; a UserError is one line, exit 2."""
-    cfg, given = parse_args(argv, cls)
+def main(argv=None, run=train, cls=Config, description=None):
+    """Parses the flags (of cls) and runs `run(cfg, given)`; a UserError is one line, exit 2; Ctrl-C, exit 130."""
+    cfg, given = parse_args(argv, cls, *([description] if description else []))
     try:
-        return run(cfg, given)
+        with progress.ctrl_c_exits():  # Ctrl-C: one line, exit code 130
+            return run(cfg, given)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -46,6 +46,51 @@ def check_out_dir(cfg):
     return [os.path.join(cfg.out_dir, f) for f in found + left] if cfg.overwrite else []
 
 
+def delete(paths):
+    """--overwrite: the earlier run's files, once everything else is checked."""
+    for path in paths:
+        os.remove(path)
+
+
+# What --resume takes from the run it continues, unless a flag given says otherwise.
+RESUMED = ('block_size vocab_size n_layer n_head n_embd bias dataset batch_size gradient_accumulation_steps max_iters '
+           'learning_rate min_lr warmup_iters weight_decay beta1 beta2 grad_clip mode dtype ane_dtype ane_fraction '
+           'ane_batch_size ane_programs eval_interval eval_iters eval_seconds log_interval patience seed preset').split()
+MODEL = ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'bias')
+
+
+def restore(cfg, given, path, rank=0, log=print):
+    """--resume: the settings of the run in path (RESUMED) into cfg, where no flag was given;
+    the names of those set. A model flag given that disagrees with the run's is an error now,
+    before any engine starts; another flag given wins, said in one line."""
+    if not cfg.resume:
+        return set()
+    saved = None
+    if rank == 0:
+        for p in (path, prev_path(path)):  # (the one resume() will load; it reports a damaged one)
+            try:
+                saved = read_checkpoint(p, 'cpu').get('config')
+                break
+            except ValueError:
+                continue
+    saved = distributed.from_rank0(saved)
+    if not saved:  # none there (resume() says so), or one saved without its settings
+        return set()
+    if wrong := [k for k in MODEL if k in given and k in saved and getattr(cfg, k) != saved[k]]:
+        raise UserError(f"--resume: {path} holds a model of " + ', '.join(f'{k}={saved[k]}' for k in MODEL if k in saved)
+                        + "; leave out " + ' '.join(f'--{k}' for k in wrong) + " (its size comes from the "
+                        "checkpoint), or start over with --overwrite or a new --out_dir")
+    changed = [f"--{k} {getattr(cfg, k)} (was {saved[k]})" for k in RESUMED
+               if k in given and k in saved and getattr(cfg, k) != saved[k]]
+    restored = {k for k in RESUMED if k in saved and k not in given}
+    for k in restored:
+        setattr(cfg, k, saved[k])
+    if rank == 0:
+        log(f"--resume: continuing the run in {cfg.out_dir} with its own settings"
+            + (f"; given here instead: {', '.join(changed)}" if changed else ''))
+    return restored
+
+
 def state(cfg, model, optimizer, split, engines, **counters):
     """What a checkpoint holds: weights, AdamW, the run's config, split and loss scales, counters."""
     return dict(model=model.state_dict(), optimizer=optimizer.state_dict(), model_args=dataclasses.asdict(model.config),

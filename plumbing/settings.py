@@ -60,17 +60,40 @@ LIMITS = (('> 0', lambda v: 0 < v < math.inf, 'batch_size gradient_accumulation_
           ('in [0, 1)', lambda v: 0 <= v < 1, 'beta1 beta2'))
 
 
-def add_flags(parser, cls, skip=()):
-    """One --flag per field of the dataclass cls, typed and documented by the field."""
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
+def add_flags(parser, cls, skip=(), here=None):
+    """One --flag per field of the dataclass cls, typed and documented by the field. A subclass's
+    own fields come first, in a group of their own. here: (defaults that replace the fields' on
+    this machine, where): --help shows both."""
+    defaults, where = here or ({}, '')
+    fields = [f for f in dataclasses.fields(cls) if f.name not in skip]
+    parent = cls.__mro__[1]  # a script's settings over the trainer's (bench.py): its own flags first
+    base = {f.name for f in dataclasses.fields(parent)} if dataclasses.is_dataclass(parent) else set()
+    if parent.__module__ != cls.__module__ and any(f.name not in base for f in fields):
+        script = os.path.basename(getattr(sys.modules.get(cls.__module__), '__file__', None) or cls.__name__)
+        own = parser.add_argument_group(f"{script}'s own flags")
+        rest = parser.add_argument_group("the trainer's flags (hetero_gpt.py)")
+        fields = [(own, f) for f in fields if f.name not in base] + [(rest, f) for f in fields if f.name in base]
+    else:
+        fields = [(parser, f) for f in fields]
+    for group, f in fields:
+        text = f.metadata['help'] + (f" (default {where}: {defaults[f.name]}; with a CUDA GPU or --preset gpt2: "
+                                     "%(default)s)" if f.name in defaults else '')
         if f.type in (bool, 'bool'):
-            parser.add_argument(f'--{f.name}', type=parse_bool, nargs='?', const=True,
-                                default=f.default, help=f.metadata['help'])
+            group.add_argument(f'--{f.name}', type=parse_bool, nargs='?', const=True, default=f.default, help=text)
         else:
             typ = {'int': int, 'float': float, 'str': str}.get(f.type, f.type)
-            parser.add_argument(f'--{f.name}', type=typ, default=f.default, help=f.metadata['help'])
+            group.add_argument(f'--{f.name}', type=typ, default=f.default, help=text)
+
+
+def machine_defaults(cpu_defaults, mac_defaults):
+    """(the defaults that replace Config's for flags not given on this machine, its name), as check() picks them."""
+    try:
+        device = resolve_device('auto')
+    except UserError:
+        return {}, ''
+    if device.type == 'cpu':
+        return cpu_defaults, 'here, no GPU'
+    return (mac_defaults, 'on this Mac') if ON_MAC else ({}, '')
 
 
 def setting(default, help):
@@ -78,11 +101,14 @@ def setting(default, help):
     return dataclasses.field(default=default, metadata={'help': help})
 
 
-def parse_args(argv, cls, description):
-    """(cls(...), the names of the flags the user gave)."""
+def parse_args(argv, cls, description, here=None):
+    """(cls(...), the names of the flags the user gave). here: see add_flags."""
+    if here and here[0]:
+        description += (f" The defaults shown are this machine's ({here[1]}): the flags not given take them in "
+                        "place of GPT-2 124M's, which apply with a CUDA GPU or --preset gpt2.")
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_flags(parser, cls)
+    add_flags(parser, cls, here=here)
     args = parser.parse_args(argv)
     given = {a.split('=')[0][2:] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith('--')}
     return cls(**vars(args)), given
@@ -155,12 +181,29 @@ def check_mps(dtype, compile, torch_version=torch.__version__, macos=None):
                         "or leave out --compile")
 
 
+class _Untested:  # a logging filter: coremltools' "Torch version ... has not been tested"
+    @staticmethod
+    def filter(record):
+        return 'has not been tested with coremltools' not in record.getMessage()
+
+
 def import_coremltools():
-    """coremltools, without its warning off macOS that the Core ML runtime is missing."""
+    """coremltools, quiet where its words do not apply here. Its warning that this torch is newer than
+    it was tested with concerns converting torch models, which this project never does: its programs
+    are written in MIL directly. Its MIL pass pipelines' progress bars (tqdm, with no switch of its own:
+    coremltools issues #1144, #1815) are off. Off macOS, its warning that Core ML's runtime is missing."""
+    import functools
     import logging
+    logger = logging.getLogger('coremltools')
+    if not any(isinstance(f, _Untested) for f in logger.filters):
+        logger.addFilter(_Untested())
     if not ON_MAC:
-        logging.getLogger('coremltools').setLevel(logging.ERROR)
+        logger.setLevel(logging.ERROR)
     import coremltools
+    from coremltools.converters.mil.mil.passes import pass_pipeline
+    import tqdm
+    if not isinstance(pass_pipeline.tqdm, functools.partial):
+        pass_pipeline.tqdm = functools.partial(tqdm.tqdm, disable=True)
     return coremltools
 
 
@@ -237,7 +280,8 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print):
     settings the user did not give; on a Mac, mac_defaults."""
     device = resolve_device(cfg.device)
     defaults, why = ((cpu_defaults, "no GPU: small model and short run for the CPU") if device.type == 'cpu' else
-                     (mac_defaults, "on a Mac: microbatches that fit a 16 GB one") if ON_MAC else ({}, ''))
+                     (mac_defaults, "on a Mac: a run sized for an hour on a base chip (--preset gpt2: GPT-2 124M)"
+                      if 'n_layer' in mac_defaults else "on a Mac: microbatches that fit a 16 GB one") if ON_MAC else ({}, ''))
     changed = {k: v for k, v in defaults.items() if k not in given}
     for k, v in changed.items():
         setattr(cfg, k, v)

@@ -31,6 +31,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from . import progress
 from .memory import max_rss
 from .settings import ON_MAC, UserError, one_line
 
@@ -162,6 +163,17 @@ def serve(conn, names, spec, make):
             conn.send(('error', one_line(e)))
 
 
+_live = weakref.WeakSet()  # every worker up: stopped at once by Ctrl-C's exit
+
+
+def close_all():
+    for engine in list(_live):
+        engine.close()
+
+
+progress.ON_INTERRUPT.append(close_all)
+
+
 class WorkerEngine:
     """The ANE engine, seen from the training process: the trainer's Engine interface over a
     worker that runs the engine make(spec) builds (make: a module-level function, which spawn
@@ -183,17 +195,24 @@ class WorkerEngine:
         self.proc = ctx.Process(target=serve, args=(child, self.bufs.names, spec, make), name='ane-worker', daemon=True)
         # stopped when this engine is freed, or at exit (a finalizer that holds no reference to it)
         self._stop = weakref.finalize(self, _shutdown, self.proc, self.conn, self.bufs)
+        _live.add(self)
         gil_switch(+1)
+        what = "starting the ANE worker"
         if ON_MAC:
-            log("starting the ANE worker: it compiles the Core ML programs for the Neural Engine, which the "
-                "first time may take many minutes; later starts load them from the cache")
+            log(f"{what}: it compiles the Core ML programs for the Neural Engine, which the first time may take "
+                "many minutes (Ctrl-C stops it safely); later starts load them from the cache")
         try:
-            self.proc.start()
-            child.close()
-            (self.label,) = self._wait(load_timeout, 'starting')
+            with progress.Ticker(what + (" (compiling for the Neural Engine)" if ON_MAC else '')):
+                with progress.children_ignore_ctrl_c():  # (the trainer stops it)
+                    self.proc.start()
+                child.close()
+                (self.label,) = self._wait(load_timeout, 'starting')
         except (WorkerFault, OSError) as e:
             self.close()
             raise UserError(f"the ANE worker could not start: {e}; --mode gpu trains without it") from None
+        except KeyboardInterrupt:  # Ctrl-C while it compiles: stopped, its memory freed, then the caller's
+            self.close()
+            raise
 
     def load_weights(self, params):
         w = self.bufs.w

@@ -20,5 +20,25 @@ def raises(ctx):
     raise ValueError("a stage's own error")
 
 
-def skipped(ctx):  # a stage that cannot run on this machine
-    return {'skipped': "nothing to measure with here"}
+def closes_then_dies(ctx):  # its end of the pipe closed first: the runner sees EOF while it still lives
+    import inspect
+    inspect.currentframe().f_back.f_locals['conn'].close()
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def skipped(ctx):
+    return {'skipped': 'powermetrics needs root (sudo -v first)'}
+
+
+if __name__ == '__main__':  # the check's main over these stages (a test sends it Ctrl-C): report, stages
+    import functools
+    import sys
+    import hetero_gpt as hg
+    from tools import ane_check
+    names = ('first', 'second', 'third')
+    ane_check.STAGES = tuple((n, False, f'stand-in {n}') for n in names)
+    targets = dict(zip(names, ('check_stages:ok', 'check_stages:hang', 'check_stages:ok')))
+    ane_check.run_all = functools.partial(ane_check.run_all, targets=targets)
+    cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
+    sys.exit(ane_check.main(cfg, 2, 8, 'programs', 4, sys.argv[1], 600))

@@ -195,7 +195,9 @@ def test_best_checkpoint_and_patience(data_dir, tmp_path, monkeypatch, capsys, c
     # interrupted at step 7 and resumed: the same stop, the same best
     ScriptedValidation(monkeypatch, curve[:3])
     ctrl_c.at(7)
-    run(data_dir, tmp_path / 'again', '--max_iters', '20', '--eval_interval', '2', '--patience', '2')
+    with pytest.raises(SystemExit) as stopped:  # Ctrl-C: saved, then exit code 130
+        run(data_dir, tmp_path / 'again', '--max_iters', '20', '--eval_interval', '2', '--patience', '2')
+    assert stopped.value.code == 130
     ctrl_c.off()
     ScriptedValidation(monkeypatch, curve[3:])
     rows = run(data_dir, tmp_path / 'again', '--max_iters', '20', '--eval_interval', '2', '--patience', '2', '--resume')

@@ -16,6 +16,7 @@ import torch
 import hetero_gpt as hg
 import helpers
 from plumbing import energy
+from tools import ane_check
 from plumbing import memory
 from plumbing import programs as coreml_programs
 from plumbing import settings
@@ -200,7 +201,7 @@ def test_a_stage_that_cannot_run_is_skipped_and_fails_nothing(tmp_path, monkeypa
     # and exit code leave it out (the energy stage's own: test_the_energy_meter_against_powermetrics)
     rec, = ane_check.run_all({}, [('energy', False, '')], timeout=300, log=lambda s: None,
                              targets={'energy': 'check_stages:skipped'})
-    assert rec['status'] == 'skipped' and rec['reason'] == 'nothing to measure with here' and 'result' not in rec
+    assert rec['status'] == 'skipped' and rec['error'] == 'powermetrics needs root (sudo -v first)' and 'result' not in rec
     said = []
     monkeypatch.setattr(ane_check, 'run_all', lambda *a, **k: [rec, dict(name='programs', status='ok', seconds=1.0)])
     cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
@@ -217,23 +218,24 @@ def test_the_self_check_without_sudo_skips_energy_at_once_and_passes(tmp_path):
     check = [os.path.join(ROOT, 'export_ane.py'), '--check', *TINY, '--vocab_size', '512', '--gpu_batch', '2',
              '--ane_batch_size', '2']
     r = mac(check, tmp_path, cpu_ops='reduce_max')
-    doc = json.load(open(tmp_path / 'ane_check.json'))
+    doc = json.load(open(tmp_path / 'out' / 'ane_check.json'))  # beside the trainer's programs
     stages = {s['name']: s for s in doc['stages']}
     status = {k: s['status'] for k, s in stages.items()}
     assert r.returncode == 0 and 'FAILED' not in r.stdout, (status, r.stdout[-3000:])
     assert status == dict.fromkeys(status, 'ok') | {'energy': 'skipped'}, status
-    assert 'a password is required' in stages['energy']['reason'] and 'result' not in stages['energy']
-    res = {k: s.get('result') for k, s in stages.items()}
+    assert 'a password is required' in stages['energy']['error'] and 'result' not in stages['energy']
+    res = res_of(doc)
     assert res['environment']['macos'] == '15.5' and res['environment']['coreml_runtime'] == 'ok'
     assert res['environment']['powermetrics'] == 'sudo: a password is required'
     assert res['environment']['chip'] == 'Apple M4 Pro'
-    shares, counts = ane_shares(tmp_path / 'ane_programs', 'reduce_max')
+    shares, counts = ane_shares(tmp_path / 'out' / 'ane_B2_T32', 'reduce_max')
     for piece, rec in res['coreml'].items():
         assert not rec['cached'] and rec['placement']['ane_share_of_ops'] == shares[piece], (piece, rec, shares)
         assert rec['placement']['not_on_ane'] == {'reduce_max -> MLCPUComputeDevice': counts[piece]}, rec
     assert res['gradients']['passed'] and res['projection']['hetero_tokens_per_s'] > 0
     assert set(sudo_stdins(tmp_path)) == {'devnull'}  # the environment's probe and energy's, never the terminal
-    compiles = sum(e[0] == 'compile' and 'ane_programs' in e[1] for e in coreml_log(tmp_path))
+    trainers = os.path.join('out', 'ane_B2_T32')  # the folder the trainer reads for this run
+    compiles = sum(e[0] == 'compile' and trainers in e[1] for e in coreml_log(tmp_path))
     assert compiles == 3  # each program once: the timings load the cached model
     # the energy stage alone decides before it measures: no worker, no program loaded
     loads = len(coreml_log(tmp_path))
@@ -245,7 +247,7 @@ def test_the_self_check_without_sudo_skips_energy_at_once_and_passes(tmp_path):
     # counted once a sample, so in the ratios of those watts whatever the window (the meter's
     # own test checks watts)
     r = mac(check + ['--stages', 'energy'], tmp_path, sudo=1)
-    energy = json.load(open(tmp_path / 'ane_check.json'))['stages'][0]
+    energy = next(s for s in json.load(open(tmp_path / 'out' / 'ane_check.json'))['stages'] if s['name'] == 'energy')
     assert r.returncode == 0 and energy['status'] == 'ok', r.stdout[-2000:]
     for engine in ('gpu', 'ane'):
         w = energy['result'][f'{engine}_alone_watts']
@@ -256,18 +258,22 @@ def test_the_self_check_without_sudo_skips_energy_at_once_and_passes(tmp_path):
     # CPU silently, where predicts are 3x slower: the stage shows the load time, no ANE share
     # and CPU_AND_NE as slow as CPU_ONLY
     r = mac(check + ['--stages', 'coreml'], tmp_path)
-    doc = json.load(open(tmp_path / 'ane_check.json'))
-    assert r.returncode == 0 and [s['name'] for s in doc['stages']] == ['coreml'], r.stdout[-2000:]
-    assert all(rec['cached'] for rec in doc['stages'][0]['result'].values())
-    assert all(rec['placement']['ane_share_of_ops'] == 1.0 for rec in doc['stages'][0]['result'].values())
-    assert sum(e[0] == 'compile' and 'ane_programs' in e[1] for e in coreml_log(tmp_path)) == 3
+    doc = json.load(open(tmp_path / 'out' / 'ane_check.json'))  # merged: every stage still there
+    assert r.returncode == 0 and [s['name'] for s in doc['stages']] == [s for s, _, _ in ane_check.STAGES], r.stdout[-2000:]
+    assert all(rec['cached'] for rec in res_of(doc)['coreml'].values()) and 'merged: coreml re-run' in r.stdout
+    assert all(rec['placement']['ane_share_of_ops'] == 1.0 for rec in res_of(doc)['coreml'].values())
+    assert sum(e[0] == 'compile' and trainers in e[1] for e in coreml_log(tmp_path)) == 3
     r = mac(check + ['--stages', 'coreml'], tmp_path, load_seconds=2, ane_fallback=1, cpu_slowdown=3)
-    doc = json.load(open(tmp_path / 'ane_check.json'))
+    doc = json.load(open(tmp_path / 'out' / 'ane_check.json'))
     assert r.returncode == 0, r.stdout[-2000:]
-    for piece, rec in doc['stages'][0]['result'].items():
+    for piece, rec in res_of(doc)['coreml'].items():
         assert rec['load_s'] >= 2 and rec['placement']['ane_share_of_ops'] == 0.0, (piece, rec)
         # both on the CPU: the same work, timed 3 calls each (wall time: within 2x)
         assert 0.5 < rec['CPU_AND_NE_ms'] / rec['CPU_ONLY_ms'] < 2, (piece, rec)
+
+
+def res_of(doc):
+    return {s['name']: s.get('result') for s in doc['stages']}
 
 
 @pytest.mark.slow

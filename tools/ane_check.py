@@ -8,8 +8,11 @@ and how fast; and the report of what the programs hold against the analytic FLOP
 Each stage runs in a child process of its own (spawn) with its own timeout, so a stage that
 hangs, raises or is killed (a failed ANE compile kills its process at the first predict,
 coremltools #2758) is reported and the next stage still runs. Off macOS the stages that need
-Core ML, MPS or powermetrics are marked 'needs macOS'. The whole record goes to
-ane_check.json (paste it into a bug report), a summary to ane_check.md.
+Core ML, MPS or powermetrics are marked 'needs macOS'; one that returns {'skipped': why} is
+skipped. The programs go to the trainer's folder for the run (out/ane_B{B}_T{T}), compiled, so
+the trainer starts from them. The whole record goes to out/ane_check.json (paste it into a bug
+report), a verdict per stage to out/ane_check.md. Ctrl-C stops the stage under way, keeps the
+report of those before it and exits 130.
 """
 import dataclasses
 import importlib
@@ -26,6 +29,7 @@ import torch
 import hetero_gpt as hg  # defines: the model, its derivation, build_coreml_program, ane_engine
 from plumbing import memory  # defines: memory_estimate, total_memory, measured
 from plumbing.energy import powermetrics_readable  # defines: powermetrics_readable
+from plumbing import progress  # defines: Ticker, clock, children_ignore_ctrl_c (what a person sees)
 from plumbing import programs as coreml_programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
 from plumbing import settings  # defines: one_line, check_coreml, import_coremltools
 from plumbing import worker  # defines: WorkerEngine, exit_text
@@ -45,6 +49,15 @@ STAGES = (('environment', False, "macOS, chip, memory, versions, MPS, powermetri
 # ---- the stage runner
 
 def _child(conn, target, ctx):
+    import signal
+    import warnings
+
+    def stop(*_):  # the runner's Ctrl-C: unwound here, so that a worker this stage started is stopped
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
+    os.environ[progress.QUIET_ENV] = '1'  # the runner shows the stage's time
+    # the probes' overflow is deliberate: NumPy's warnings of it, in coremltools' constant folding, are not news
+    warnings.filterwarnings('ignore', r'(overflow|invalid value) encountered', RuntimeWarning, r'coremltools\.')
     try:
         module, name = target.split(':')
         conn.send(('ok', getattr(importlib.import_module(module), name)(ctx)))
@@ -54,22 +67,36 @@ def _child(conn, target, ctx):
 
 def run_stage(name, ctx, timeout, target=None):
     """Runs a stage, the function `target` ('module:function', of ctx -> a dict; by default
-    this file's function `name`) in a spawned child process, cut at `timeout` seconds:
-    {'name', 'seconds', 'status': ok | failed | timeout | killed, 'result' | 'error'}."""
+    this file's function `name`) in a spawned child process, cut at `timeout` seconds, its time
+    shown meanwhile: {'name', 'seconds', 'status': ok | skipped | failed | timeout | killed |
+    interrupted, 'result' | 'error'}. A stage that returns {'skipped': why} is skipped. Ctrl-C
+    (KeyboardInterrupt here; the child ignores SIGINT) stops the child in order (SIGTERM, then
+    SIGKILL) and re-raises."""
     mp = multiprocessing.get_context('spawn')
     conn, child = mp.Pipe()
     # not a daemon: a stage may start a process of its own (the ANE worker)
     proc = mp.Process(target=_child, args=(child, target or f'tools.ane_check:{name}', ctx), name=f'check-{name}')
     t0 = time.monotonic()
-    proc.start()
-    child.close()
     out = None
-    if conn.poll(timeout):
+    with progress.Ticker(f"  {name}"):
         try:
-            kind, value = conn.recv()
-            out = dict(status='ok', result=value) if kind == 'ok' else dict(status='failed', error=value)
-        except EOFError:  # the child closed its end by dying: reaped before it is asked about
-            proc.join(30)
+            with progress.children_ignore_ctrl_c():
+                proc.start()
+            child.close()
+            while out is None and not conn.poll(min(1.0, max(0.0, timeout - (time.monotonic() - t0)))):
+                if time.monotonic() - t0 >= timeout or not proc.is_alive() and not conn.poll(0):
+                    break
+            if conn.poll(0):
+                try:
+                    kind, value = conn.recv()
+                    out = (dict(status='ok', result=value) if kind == 'ok' else dict(status='failed', error=value))
+                except EOFError:  # the child closed its end by dying: reaped before it is asked about
+                    proc.join(30)
+        except KeyboardInterrupt:
+            stop_child(proc)
+            raise
+    if out and isinstance(out.get('result'), dict) and set(out['result']) == {'skipped'}:
+        out = dict(status='skipped', error=str(out['result']['skipped']))
     if out is None:
         if proc.is_alive():
             proc.kill()
@@ -82,46 +109,89 @@ def run_stage(name, ctx, timeout, target=None):
     return dict(name=name, seconds=round(time.monotonic() - t0, 2)) | out
 
 
+def stop_child(proc, grace=20.0):
+    """A stage's process asked to stop (it frees what it started), else killed."""
+    if proc.pid is None:
+        return
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(grace)
+    if proc.is_alive():
+        proc.kill()
+    proc.join(5)
+
+
 def run_all(ctx, stages, timeout, log=print, targets=None):
     """Every stage in turn, each one's result added to ctx['results'] for those after it.
-    targets: {stage name: 'module:function'} in place of this file's functions (tests)."""
+    targets: {stage name: 'module:function'} in place of this file's functions (tests). Ctrl-C:
+    the stage under way and those after it are 'interrupted', and ctx['interrupted'] is set."""
     ctx = dict(ctx, results={})
     records = []
-    for name, needs_mac, _ in stages:
+    for i, (name, needs_mac, what) in enumerate(stages):
         if needs_mac and not hg.ON_MAC:
             rec = dict(name=name, status='needs macOS', seconds=0.0)
         else:
-            log(f"stage {name} ...")
-            rec = run_stage(name, ctx, timeout, (targets or {}).get(name))
-            if 'skipped' in (rec.get('result') or {}):  # a stage that cannot run here: neither passed nor failed
-                rec = dict(rec, status='skipped', reason=rec.pop('result')['skipped'])
+            log(f"stage {name}: {what} ...")
+            try:
+                rec = run_stage(name, ctx, timeout, (targets or {}).get(name))
+            except KeyboardInterrupt:
+                records += [dict(name=n, status='interrupted', seconds=0.0) for n, _, _ in stages[i:]]
+                ctx['interrupted'] = name
+                break
             ctx['results'][name] = rec.get('result')
-        why = rec.get('error', rec.get('reason'))
-        log(f"  {name}: {rec['status']}" + (f" ({why})" if why else '') + f", {rec['seconds']} s")
+        log(f"  {name}: {rec['status']}" + (f" ({rec['error']})" if 'error' in rec else '')
+            + f", {progress.clock(rec['seconds'])}")
         records.append(rec)
     return records
 
 
 def write_report(records, ctx, path):
-    """ane_check.json (everything) and ane_check.md (a summary) at path, atomically; never
-    over a file this check did not write."""
+    """ane_check.json (everything) and ane_check.md (each stage's verdict and the figure README
+    names), atomically; never over a file this check did not write. Stages re-run (--stages) are
+    merged into an earlier report of the same model and shapes there; a report of others is kept,
+    and this one goes to a file of its own. Returns (the document, the path written, how)."""
+    doc = dict(heterogpt_check=1, when=time.strftime('%Y-%m-%d %H:%M:%S'), config=ctx['cfg'],
+               ane_batch_size=ctx['B'], block_size=ctx['T'], gpu_batch=ctx['gpu_batch'], stages=records)
+    how = 'a new report'
+    for r in records:
+        r.setdefault('when', doc['when'])
+    old = _read(path)
+    if old and any(old.get(k) != doc[k] for k in ('config', 'ane_batch_size', 'block_size', 'gpu_batch')):
+        c = ctx['cfg']
+        mine = os.path.splitext(path)[0] + f"-L{c['n_layer']}-C{c['n_embd']}-B{ctx['B']}-T{ctx['T']}.json"
+        how, path, old = f"to a file of its own: {path} holds another model's report, kept", mine, _read(mine)
+    if old and len(records) < len(STAGES):  # some stages again: the others kept from before
+        new = {r['name']: r for r in records}
+        doc['stages'] = [new.pop(r['name'], r) for r in old['stages']] + list(new.values())
+        how = f"merged: {', '.join(r['name'] for r in records)} re-run, the other stages kept from before"
     md = os.path.splitext(path)[0] + '.md'
     for p in (path, md):
         if os.path.exists(p) and not _ours(p):
             raise hg.UserError(f"{p} exists and was not written by this check: refusing to overwrite it; "
                                "use --check_report to name another file")
-    doc = dict(heterogpt_check=1, when=time.strftime('%Y-%m-%d %H:%M:%S'), config=ctx['cfg'],
-               ane_batch_size=ctx['B'], block_size=ctx['T'], gpu_batch=ctx['gpu_batch'], stages=records)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     lines = ['<!-- heterogpt_check -->', '# HeteroEngine ANE self-check', '',
              f"{doc['when']}, {platform.platform()}, model {hg.GPTConfig(**ctx['cfg'])}, "
-             f"{ctx['B']}x{ctx['T']} tokens a call", '', '| stage | status | seconds | what it found |', '|---|---|---|---|']
-    for r in records:
-        lines.append(f"| {r['name']} | {r['status']} | {r['seconds']} | {_summary(r)} |")
+             f"{ctx['B']}x{ctx['T']} tokens an ANE call, {ctx['gpu_batch']} sequences a GPU microbatch", '',
+             'Every figure in full: the .json beside this file.', '',
+             '| stage | verdict | time | what to look at |', '|---|---|---|---|']
+    for r in doc['stages']:
+        verdict, figure = verdict_of(r)
+        lines.append(f"| {r['name']} | {verdict} | {progress.clock(r['seconds'])} | {figure.replace('|', '/')} |")
     for p, text in ((path, json.dumps(doc, indent=1, default=str)), (md, '\n'.join(lines) + '\n')):
         with open(p + '.tmp', 'w') as f:
             f.write(text)
         os.replace(p + '.tmp', p)
-    return doc
+    return doc, path, how
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, dict) and doc.get('heterogpt_check') else None
+    except (OSError, ValueError):
+        return None
 
 
 def _ours(p):
@@ -133,20 +203,60 @@ def _ours(p):
         return False
 
 
-def _summary(r):
-    if 'error' in r or 'reason' in r:
-        return r.get('error', r.get('reason')).replace('|', '/')
-    res = r.get('result') or {}
-    if r['name'] == 'coreml':  # per program: where it runs, its load and its two timed calls
-        return '; '.join(f"{p}: ANE share {v['placement'].get('ane_share_of_ops', 'unavailable')}, cached "
-                         f"{v['cached']}, load {v['load_s']} s, {v['CPU_AND_NE_ms']} ms (CPU only {v['CPU_ONLY_ms']})"
-                         for p, v in res.items())
-    keys = {'environment': ('os', 'chip', 'memory_gib', 'torch', 'coremltools', 'coreml_runtime', 'mps', 'powermetrics'),
-            'programs': ('ops', 'live_mib', 'largest_dim', 'off_ane'),
-            'gradients': ('worst_cosine', 'worst', 'loss', 'reference_loss'),
-            'projection': ('gpu_tokens_per_s', 'ane_tokens_per_s', 'hetero_tokens_per_s', 'ane_share',
-                           'memory_gib', 'machine_gib')}.get(r['name'], tuple(res)[:6])
-    return ', '.join(f"{k} {res[k]}" for k in keys if k in res).replace('|', '/')
+OVERLAP_OK = 1.25  # beside/alone: each engine at least 80% of its speed alone
+
+
+def verdict_of(r):
+    """(pass | warn | fail | skipped | needs macOS | interrupted | failed | killed | timeout, the
+    figure README tells the reader to look at, rounded) of a stage's record. warn: a measure
+    that lowers hetero's gain, not a fault of the path."""
+    status, res = r['status'], r.get('result') or {}
+    if status != 'ok':
+        return status, r.get('error', {'needs macOS': 'runs on a Mac only',
+                                       'interrupted': 'stopped by Ctrl-C before it finished'}.get(status, ''))
+    name = r['name']
+    if name == 'coreml':
+        shares = {p: v.get('placement', {}).get('ane_share_of_ops') for p, v in res.items()}
+        text = '; '.join(f"{p}: " + (f"{100 * s:.0f}% of ops on the ANE" if isinstance(s, (int, float)) else
+                                     "ANE share unknown (needs macOS 14.4)") + f", {v.get('CPU_AND_NE_ms', 0):.4g} ms "
+                         f"(CPU alone {v.get('CPU_ONLY_ms', 0):.4g} ms)" for (p, v), s in zip(res.items(), shares.values()))
+        known = [s for s in shares.values() if isinstance(s, (int, float))]
+        return ('pass' if not known or min(known) > 0.5 else 'fail'), text
+    if name == 'gradients':
+        text = f"worst cosine {res.get('worst_cosine', float('nan')):.6f} (at least 0.999), at {res.get('worst')}"
+        if 'worst_norm_ratio' in res:
+            text += f"; norm ratio {res['worst_norm_ratio']:.4f}"
+        return ('pass' if res.get('passed') else 'fail'), text
+    if name == 'energy':  # watts of the whole chip while each engine runs alone
+        return 'pass', '; '.join(f"{k.split('_')[0].upper()} alone: " + ', '.join(f"{p} {w:.1f} W" for p, w in v.items())
+                                 for k, v in res.items() if k.endswith('_alone_watts'))
+    if name == 'concurrency' and 'gpu_alone' in res:
+        g, a = res['gpu_beside'] / res['gpu_alone'], res['ane_beside'] / res['ane_alone']
+        text = (f"GPU step {1e3 * res['gpu_beside']:.4g} ms beside the ANE, {1e3 * res['gpu_alone']:.4g} ms alone "
+                f"({g:.2f}x); ANE call {1e3 * res['ane_beside']:.4g} ms beside the GPU, {1e3 * res['ane_alone']:.4g} "
+                f"ms alone ({a:.2f}x)")
+        if max(g, a) <= OVERLAP_OK:
+            return 'pass', text
+        return 'warn', text + f": above {OVERLAP_OK}x the engines slow each other, and hetero gains less"
+    if name == 'projection':
+        if 'gpu_tokens_per_s' not in res:
+            return 'pass', f"memory {res['memory_gib']} GiB of {res['machine_gib']}; tokens/s need the concurrency stage (macOS)"
+        runs = res.get('run', {})
+        return 'pass', '; '.join(f"{m}: {res[f'{m}_tokens_per_s']:,} tokens/s" + (
+            f", the default run in {progress.clock(runs[m])}" if m in runs else '') for m in ('gpu', 'ane', 'hetero')) + (
+            f"; memory {res['memory_gib']} GiB of {res['machine_gib']}")
+    if name == 'probes':
+        bad = [p for p, v in res.items() if not v.get('finite') and not p.startswith('overflow')]
+        return ('pass' if not bad else 'fail'), (f"not finite: {', '.join(bad)}" if bad else
+                                                 f"{len(res)} probes ran; the overflow probe's NaN is expected")
+    if name == 'programs':
+        return ('pass' if not res.get('off_ane') else 'fail'), (
+            f"{res.get('ops')} ops, largest live {res.get('live_mib')} MiB, largest dimension {res.get('largest_dim')}, "
+            f"off the ANE: {', '.join(res.get('off_ane') or []) or 'none'}")
+    if name == 'environment':
+        return 'pass', ', '.join(f"{k} {res[k]}" for k in ('macos', 'chip', 'memory_gib', 'torch', 'coremltools',
+                                                           'coreml_runtime', 'mps') if k in res)
+    return 'pass', ', '.join(f"{k} {v}" for k, v in list(res.items())[:4])
 
 
 # ---- what the programs hold, against the analytic count
@@ -405,6 +515,9 @@ def projection(ctx):
         r_gpu, r_ane = tok / times['gpu_beside'], tok / times['ane_beside']
         out |= dict(gpu_tokens_per_s=round(tok / times['gpu_alone']), ane_tokens_per_s=round(tok / times['ane_alone']),
                     hetero_tokens_per_s=round(r_gpu + r_ane), ane_share=round(r_ane / (r_gpu + r_ane), 3))
+        if ctx.get('run_tokens'):  # the trainer's default run, to --max_iters, at each mode's rate
+            out['run'] = {m: round(ctx['run_tokens'] / out[f'{m}_tokens_per_s']) for m in ('gpu', 'ane', 'hetero')}
+            out['run_tokens'] = ctx['run_tokens']
     else:
         out['tokens_per_s'] = 'needs macOS (the concurrency stage)'
     return out
@@ -482,20 +595,28 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     return out | power | dict(gpu_label=gpu.label, ane_label=w.label, memory=mem)
 
 
-def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print):
+def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print, run_tokens=0):
     """export_ane.py --check: every stage (or those named), then the report. Returns 0 if every
-    stage that ran passed; a skipped stage (it cannot run here) neither passes nor fails."""
+    stage that ran passed (a skipped one passes), 130 after Ctrl-C (the report holds the
+    stages that finished), else 1. run_tokens: the trainer's default run, for its duration."""
     names = [n for n in stages.split(',') if n]
     if unknown := [n for n in names if n not in [s[0] for s in STAGES]]:
         raise hg.UserError(f"--stages {','.join(unknown)}: unknown; the stages are {', '.join(s[0] for s in STAGES)}")
-    ctx = dict(cfg=dataclasses.asdict(cfg), B=B, T=T, out=out, gpu_batch=gpu_batch)
+    ctx = dict(cfg=dataclasses.asdict(cfg), B=B, T=T, out=out, gpu_batch=gpu_batch, run_tokens=run_tokens)
+    log(f"the self-check: programs for {cfg.n_layer} layers x {cfg.n_embd} wide, {B}x{T} tokens an ANE call, "
+        f"exported and compiled into {out} (the trainer's folder for this run); Ctrl-C stops it and keeps the report")
     records = run_all(ctx, [s for s in STAGES if not names or s[0] in names], timeout, log)
-    write_report(records, ctx, report)
-    grads = next((r for r in records if r['name'] == 'gradients'), {})
-    log(f"wrote {report} and {os.path.splitext(report)[0] + '.md'}")
-    bad = [r['name'] for r in records if r['status'] not in ('ok', 'needs macOS', 'skipped')]
-    if grads.get('status') == 'ok' and not grads['result']['passed']:
-        bad.append('gradients (worst cosine below 0.999)')
+    _, written, how = write_report(records, ctx, report)
+    md = os.path.splitext(written)[0] + '.md'
+    stopped = next((r['name'] for r in records if r['status'] == 'interrupted'), None)
+    if stopped:
+        log(f"interrupted in stage {stopped}: the stages before it are in {md} ({how})")
+        return progress.INTERRUPTED
+    log(f"wrote {md} (a verdict per stage) and {written} (everything: paste it into a bug report); {how}")
+    bad = [n for n in (r['name'] for r in records if verdict_of(r)[0] in ('fail', 'failed', 'killed', 'timeout'))]
+    for r in records:
+        if verdict_of(r)[0] == 'warn':
+            log(f"note, {r['name']}: {verdict_of(r)[1]}")
     if bad:
         log("FAILED: " + ', '.join(bad))
     return 1 if bad else 0

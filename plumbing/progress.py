@@ -1,0 +1,213 @@
+"""
+What a person sees while a run works: a live elapsed time where progress cannot be counted
+(a compile, a first step), the projected time to the end, a log line per logged step, and
+Ctrl-C as one line and exit code 130.
+"""
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+INTERRUPTED = 130  # a shell's code for a process stopped by SIGINT (128 + 2)
+QUIET_ENV = 'HETEROGPT_NO_TICKER'  # set in processes whose parent shows the time
+
+
+def clock(seconds):
+    """3725.0 -> '1h 02m', 83.0 -> '1m 23s', 4.2 -> '4s'."""
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 60}m {s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Ticker:
+    """A thread that shows `what` and the time since it began: redrawn each second on one line
+    of a terminal, else a line every `every` seconds. `what` may change (ticker.what = ...)."""
+
+    def __init__(self, what, stream=None, every=15.0, tick=1.0):
+        self.what, self.stream, self.every, self.tick = what, stream or sys.stderr, every, tick
+        self.tty = self.stream.isatty() if hasattr(self.stream, 'isatty') else False
+        self.t0, self.done, self.thread = time.monotonic(), threading.Event(), None
+
+    def __enter__(self):
+        if not os.environ.get(QUIET_ENV):
+            self.thread = threading.Thread(target=self._run, daemon=True, name='ticker')
+            self.thread.start()
+        return self
+
+    def _run(self):
+        shown = 0.0
+        while not self.done.wait(self.tick if self.tty else min(self.tick, self.every)):
+            t = time.monotonic() - self.t0
+            if self.tty:
+                self._write(f"\r\x1b[K{self.what}: {clock(t)}")
+            elif t - shown >= self.every:
+                shown = t
+                self._write(f"{self.what}: {clock(t)} so far\n")
+
+    def _write(self, text):
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (ValueError, OSError):  # the stream closed under us at exit
+            self.done.set()
+
+    def __exit__(self, *exc):
+        self.done.set()
+        if self.thread:
+            self.thread.join()
+            if self.tty:
+                self._write("\r\x1b[K")
+        return False
+
+    @property
+    def seconds(self):
+        return time.monotonic() - self.t0
+
+
+class Eta:
+    """The run's projected time to max_iters, said once after the first steps: tokens/s from
+    the steps after the first (which compiles and warms up), per engine too."""
+
+    def __init__(self, start, total, tok_per_step, after=3):
+        self.start, self.total, self.tok, self.after = start, total, tok_per_step, after
+        self.t1, self.said = None, False
+
+    def line(self, it, elapsed, engines=None):
+        """The projection at step `it` (training seconds `elapsed`), once; else None.
+        engines: {name: tokens/s} of the last step."""
+        if it == self.start + 1:
+            self.t1 = elapsed
+        if self.said or it >= self.total or self.t1 is None or it < self.start + 1 + self.after:
+            return None
+        self.said = True
+        rate = (it - self.start - 1) * self.tok / max(elapsed - self.t1, 1e-9)
+        left = (self.total - it) * self.tok / rate
+        per = ', '.join(f"{n} {v:,.0f}" for n, v in (engines or {}).items())
+        end = time.strftime('%H:%M', time.localtime(time.time() + left))
+        return (f"projected: {rate:,.0f} tokens/s" + (f" (alone in its share: {per})" if per else '')
+                + f"; the {self.total - it:,} steps left to --max_iters {self.total} take {clock(left)} "
+                f"(until about {end}); --patience may stop it sooner")
+
+    def say(self, it, elapsed, results, tok_per_microbatch, log):
+        """line(), from a step's results ({engine: {n, seconds}}), to log (None: not this rank)."""
+        rates = {n: r['n'] * tok_per_microbatch / r['seconds'] for n, r in results.items() if r.get('seconds')}
+        text = self.line(it, elapsed, rates)
+        if text and log:
+            log(text)
+
+
+def no_bar(quiet):
+    """No progress bar when asked, or when stdout is not a terminal (a file, a pipe): lines then."""
+    return quiet or not sys.stdout.isatty()
+
+
+def first_step(first):
+    return Ticker("train: the first step (compiling, warming up)") if first else contextlib.nullcontext()
+
+
+def show(bar, row, total, rank=0):
+    """A logged row on the progress bar, or as a line of text where there is none."""
+    bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
+                     if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches', 'joules_per_token')})
+    if bar.disable and rank == 0:
+        print(log_line(row, total), flush=True)
+
+
+def header(model, mode, engines, meter):
+    """The run's first line: its size, mode, engines and energy meter."""
+    return (f"GPT-2 {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | mode {mode} | "
+            + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | {meter_text(meter)}")
+
+
+def meter_text(meter):
+    if meter.meters or not meter.missing:
+        return f"energy meter: {meter.name}"
+    sudo = any('sudo' in m for m in meter.missing)  # (powermetrics needs root)
+    return (f"energy meter: none, so no J/token ({'; '.join(meter.missing)})"
+            + ("; `sudo -v` just before the run gives it" if sudo else ''))
+
+
+def log_line(row, total):
+    """A logged step as one line of text (nanoGPT's style), for a log that is not a terminal."""
+    parts = [f"step {row['step']}/{total}"]
+    if 'loss' in row:
+        parts.append(f"loss {row['loss']:.4f}")
+    if 'val_loss' in row:
+        parts.append(f"val {row['val_loss']:.4f}")
+    if 'tokens_per_s' in row:
+        eng = ', '.join(f"{k[:-len('_tokens_per_s')]} {row[k]:,.0f}" for k in row
+                        if k.endswith('_tokens_per_s') and k != 'tokens_per_s')
+        parts.append(f"{row['tokens_per_s']:,.0f} tokens/s" + (f" ({eng})" if eng else ''))
+    if 'ane_microbatches' in row and row.get('mode') != 'gpu':
+        parts.append(f"ANE {row['ane_microbatches']}/{row['microbatches']} microbatches")
+    if 'joules_per_token' in row:
+        parts.append(f"{row['joules_per_token']:.3g} J/token")
+    return ', '.join(parts)
+
+
+ON_INTERRUPT = []  # what frees a process or memory at Ctrl-C (the ANE workers)
+_stopped = []
+
+
+def stop_run(save, where, in_step, result):
+    """Training's Ctrl-C: a second one ignored while `save()` keeps the run, one line; then,
+    mid-step (an engine's thread computing), exit 130 at once; else `result`, and main exits."""
+    hold_ctrl_c()
+    save()
+    text = f"interrupted: {where}; continue with --resume"
+    if in_step:
+        interrupted(text)
+    print(f"\n{text}", flush=True)
+    _stopped.append(text)
+    return result
+
+
+@contextlib.contextmanager
+def ctrl_c_exits():
+    """Ctrl-C inside: one line and exit code 130, as after a run that stop_run stopped."""
+    _stopped.clear()
+    try:
+        yield
+    except KeyboardInterrupt:
+        interrupted()
+    if _stopped:
+        sys.exit(INTERRUPTED)
+
+
+def interrupted(what="interrupted"):
+    """After Ctrl-C: one line, then exit code 130 at once, without waiting for threads that
+    still compute (a step's engines; their processes and memory were freed before)."""
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except (ValueError, OSError):
+            pass
+    print(f"\n{what}", file=sys.stderr, flush=True)
+    for stop in ON_INTERRUPT:
+        stop()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        os._exit(INTERRUPTED)  # (concurrent.futures would join an engine's thread mid-step)
+    sys.exit(INTERRUPTED)
+
+
+@contextlib.contextmanager
+def children_ignore_ctrl_c():
+    """Processes started inside ignore SIGINT from their first instruction (an ignored signal
+    stays ignored across exec, and Python keeps it so): Ctrl-C reaches the terminal's whole
+    group, and the parent stops its children in order, without their tracebacks."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, before)
+
+
+def hold_ctrl_c():
+    """A second Ctrl-C while the first is being handled (a checkpoint saved) is ignored."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,180 @@
+"""What a person sees: Ctrl-C (a real SIGINT to the process group, as a terminal sends it) at the
+ANE worker's start and mid-training, --resume taking the run's own settings, --help naming this
+machine's defaults, and the log of a run whose output is not a terminal (lines, the projected time)."""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import hetero_gpt as hg
+import helpers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOUBLE = os.path.join(ROOT, 'tests', 'macos_double')
+
+
+def start(args, cwd, mac=False):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(([DOUBLE] if mac else []) + [ROOT]))
+    if mac:
+        env |= dict(HETERO_MACOS_DOUBLE='1', MACOS_DOUBLE_LOG=str(cwd))
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def until(proc, words, timeout=300):
+    """stdout's lines until one holds words."""
+    said, t0 = '', time.monotonic()
+    while words not in said:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() - t0 < timeout, (said, proc.stderr.read())
+        said += line
+    return said
+
+
+def shm():
+    return set(glob.glob('/dev/shm/psm_*'))
+
+
+def ctrl_c(proc, after):
+    time.sleep(after)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    return out, err
+
+
+def no_children(proc):
+    """Nothing of the process group left within 5 s (multiprocessing's resource tracker leaves as its pipe closes)."""
+    for _ in range(50):
+        ps = subprocess.run(['ps', '-o', 'pid=,args=', '-g', str(proc.pid)], capture_output=True, text=True).stdout
+        if not ps.strip():
+            return
+        time.sleep(0.1)
+    assert ps.strip() == '', ps
+
+
+def test_ctrl_c_mid_training_saves_returns_at_once_and_exits_130(data_dir, tmp_path):
+    # hetero with the ANE's stand-in in its worker: Ctrl-C while steps run saves a checkpoint, says so in
+    # one line and exits 130 without waiting for the engines' threads; no worker, no shared memory left
+    before = shm()
+    flags = helpers.flags(data_dir, tmp_path / 'out', max_iters=100000, mode='hetero', ane_worker='true',
+                          ane_fraction=0.5, log_interval=1, quiet=None)
+    proc = start([os.path.join(ROOT, 'hetero_gpt.py'), *flags], tmp_path)
+    said = until(proc, 'step 3/')
+    out, err = ctrl_c(proc, 0.5)
+    assert proc.returncode == 130, err
+    assert 'Traceback' not in err and 'Exception ignored' not in err, err
+    lines = [line for line in (said + out + err).splitlines() if 'interrupted' in line]
+    assert len(lines) == 1 and lines[0].startswith('interrupted: saved step ') and 'continue with --resume' in lines[0]
+    assert torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)['iter_num'] >= 3
+    no_children(proc)
+    assert shm() <= before
+
+
+@pytest.mark.skipif(not os.path.isdir('/dev/shm'), reason="counts shared memory in /dev/shm")
+def test_ctrl_c_while_the_ane_worker_starts_is_one_line_and_130(shakespeare, tmp_path):
+    # on the double's Mac, Ctrl-C while the worker compiles (the first start may take many minutes):
+    # one line, exit 130, no traceback (the worker's start caught only its own faults), nothing left
+    os.symlink(shakespeare[0] / 'data', tmp_path / 'data')
+    before = shm()
+    proc = start([os.path.join(ROOT, 'hetero_gpt.py'), '--dataset', 'shakespeare', '--n_layer', '2', '--n_head', '2',
+                  '--n_embd', '64', '--block_size', '32', '--batch_size', '2', '--gradient_accumulation_steps', '2',
+                  '--max_iters', '2'], tmp_path, mac=True)
+    until(proc, 'starting the ANE worker')
+    out, err = ctrl_c(proc, 0.5)
+    assert proc.returncode == 130, err[-3000:]
+    assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == 'interrupted'
+    no_children(proc)
+    assert shm() <= before
+
+
+def test_resume_takes_the_runs_own_settings(data_dir, tmp_path, capsys):
+    # a run of 2 microbatches of 2 (one block): --resume with only --max_iters continues it with its own
+    # batch, model and schedule, naming the one flag given; a model flag that disagrees is refused at once
+    helpers.train(data_dir, tmp_path / 'r', max_iters=4, mode='hetero', ane_fraction=0.5)
+    capsys.readouterr()
+    bare = ['--data_dir', data_dir, '--dataset', 'tiny', '--out_dir', str(tmp_path / 'r'), '--device', 'cpu',
+            '--ane_worker', 'false', '--quiet', '--sample_tokens', '0', '--resume']
+    cfg, given = hg.parse_args(bare + ['--max_iters', '6'])
+    model = hg.train(cfg, given)
+    said = capsys.readouterr().out
+    assert f"--resume: continuing the run in {tmp_path / 'r'} with its own settings; given here instead: " \
+           "--max_iters 6 (was 4)" in said
+    assert (cfg.batch_size, cfg.gradient_accumulation_steps, cfg.n_layer, cfg.n_embd, cfg.block_size) == (2, 2, 1, 16, 16)
+    assert (cfg.mode, cfg.ane_fraction) == ('hetero', '0.5')
+    assert model.config.n_layer == 1 and helpers.rows(tmp_path / 'r')[-1]['step'] == 6
+    assert 'no GPU: small model' not in said  # the machine's defaults did not replace the run's
+    assert 'replaces the checkpoint' not in said  # a setting restored is not a flag given: the split goes on
+    cfg, given = hg.parse_args(bare + ['--n_layer', '2'])
+    with pytest.raises(hg.UserError, match=r'--resume: .* holds a model of .*n_layer=1.*leave out --n_layer'):
+        hg.train(cfg, given)
+
+
+def test_help_names_this_machines_defaults(capsys):
+    with pytest.raises(SystemExit):
+        hg.parse_args(['--help'])
+    text = ' '.join(capsys.readouterr().out.split())
+    here = 'here, no GPU' if not (torch.cuda.is_available() or torch.backends.mps.is_available()) else None
+    if here:
+        assert f"transformer blocks (default {here}: {hg.CPU_DEFAULTS['n_layer']}; with a CUDA GPU or --preset gpt2: 12)" in text
+
+
+def test_bench_help_shows_its_own_flags_first(capsys):
+    import bench
+    with pytest.raises(SystemExit):
+        hg.parse_args(['--help'], bench.BenchConfig, bench.__doc__)
+    text = capsys.readouterr().out
+    assert text.index("own flags:") < text.index('--bench_iters BENCH_ITERS\n') < text.index("the trainer's flags")
+    assert text.index("the trainer's flags") < text.index('--batch_size BATCH_SIZE\n')
+
+
+def test_a_log_that_is_not_a_terminal_is_lines_with_the_projected_time(data_dir, tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'hetero_gpt.py'),
+                        *helpers.flags(data_dir, tmp_path / 'o', max_iters=8, log_interval=2, eval_interval=4, quiet=None)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    assert '\r' not in r.stdout + r.stderr  # no progress bar redrawn in a file
+    steps = [line for line in r.stdout.splitlines() if line.startswith('step ')]
+    assert [s.split(',')[0] for s in steps] == ['step 2/8', 'step 4/8', 'step 6/8', 'step 8/8']
+    assert all(' tokens/s' in s and 'loss ' in s for s in steps)
+    projected = [line for line in r.stdout.splitlines() + r.stderr.splitlines() if line.startswith('projected: ')]
+    assert len(projected) == 1 and 'steps left to --max_iters 8 take' in projected[0]
+
+
+@pytest.mark.parametrize('flags', [[], ['--preset', 'gpt2'], ['--n_layer', '2', '--n_head', '2', '--n_embd', '64',
+                                                               '--block_size', '32']])
+def test_the_check_exports_where_the_trainer_reads(monkeypatch, flags):
+    # export_ane.py --check's defaults are the trainer's on a Mac (model, microbatch, calls), and its
+    # programs go to the very folder that run's trainer reads, so the check warms the trainer's cache
+    import export_ane
+    seen = {}
+    monkeypatch.setattr(export_ane.ane_check, 'main', lambda cfg, B, T, out, gpu_batch, *a, **k: seen.update(
+        cfg=cfg, B=B, T=T, out=out, gpu_batch=gpu_batch, run_tokens=k['run_tokens']) or 0)
+    assert export_ane.main(['--check', *flags]) == 0
+    monkeypatch.setattr(hg.settings, 'ON_MAC', True)
+    monkeypatch.setattr(hg.settings, 'resolve_device', lambda name, flag='--device': torch.device('mps'))
+    for check in ('check_mps', 'check_coreml', 'check_ane_alignment'):
+        monkeypatch.setattr(hg.settings, check, lambda *a, **k: None)
+    cfg, given = hg.parse_args(flags)
+    hg.setup(cfg, given, log=lambda s: None)
+    monkeypatch.setattr(hg.programs, 'ensure', lambda path, *a: path)
+    monkeypatch.setattr(hg, 'ON_MAC', True)
+    spec = hg.ane_spec(cfg, torch.float16)
+    assert (seen['out'], seen['B'], seen['T'], seen['gpu_batch']) == (spec['programs'], spec['B'], spec['T'], cfg.batch_size)
+    assert seen['cfg'] == hg.model_config(cfg)
+    assert seen['run_tokens'] == cfg.max_iters * cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
+
+
+def test_ctrl_c_in_bench_is_one_line_and_130(data_dir, tmp_path):
+    proc = start([os.path.join(ROOT, 'bench.py'), *helpers.flags(data_dir, tmp_path / 'b', quiet=None),
+                  '--bench_iters', '100000'], tmp_path)
+    until(proc, 'gpu: building')
+    out, err = ctrl_c(proc, 3)
+    assert proc.returncode == 130, err
+    assert 'Traceback' not in err and err.strip().splitlines()[-1] == 'interrupted', err
+    no_children(proc)
