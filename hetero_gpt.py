@@ -42,9 +42,9 @@ from plumbing import distributed  # defines: join_ranks, world, rank_share, rank
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit), measured
 from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
-from plumbing import progress  # defines: Eta, first_step, show, header, stop_run, ctrl_c_exits (what a person sees)
+from plumbing import progress  # defines: Eta, first_step, show, header, no_bar, stop_run, ctrl_c_exits (what a person sees)
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, check_shapes, coreml_predict, peaks
-from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype, import_coremltools, one_line
+from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype, import_coremltools, one_line, machine_defaults
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
 from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # defines: ANE_MAX_DIM, ANE_OVERFLOW (the ANE's limits)
 from plumbing.settings import ON_MAC, UserError, check_batch, setting  # defines: ON_MAC (macOS?), UserError (a user's error), check_batch, setting (a flag)
