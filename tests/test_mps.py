@@ -132,10 +132,10 @@ def test_the_gpu_engine_on_mps_gets_the_batch_it_was_given(tmp_path):
     assert all(not torch.equal(got['updated'][k], got['weights'][k]) for k in got['weights'] if k.endswith('weight'))
 
 
-def test_memory_estimate_item_by_item_at_the_macs_defaults(monkeypatch):
-    # GPT-2 124M, hetero, fp32, microbatches of 2 x 1024 on MPS, the ANE 2 x 1024 a call
+def test_memory_estimate_item_by_item_for_gpt2_on_a_mac(monkeypatch):
+    # --preset gpt2 on a Mac: GPT-2 124M, hetero, fp32, microbatches of 2 x 1024 on MPS, the ANE 2 x 1024 a call
     monkeypatch.setattr(memory, 'ON_MAC', True)
-    cfg = hg.Config(**hg.MAC_DEFAULTS)
+    cfg = hg.Config(**hg.MAC_GPT2)
     C, L, V, T, N, H = 768, 12, 50257, 1024, 2 * 1024, 12
     P = V * C + T * C + L * (2 * C + C * 3 * C + 3 * C + C * C + C + 2 * C + C * 4 * C + 4 * C + 4 * C * C + C) + 2 * C
     R = 4 * 12608  # the vocabulary in 4 chunks of ceil(50257 / 4) rows, rounded up to a multiple of 64
@@ -157,7 +157,7 @@ def test_memory_estimate_item_by_item_at_the_macs_defaults(monkeypatch):
     # --mode ane: the master weights and AdamW are still on MPS, the step's gradient with them
     ane = memory.memory_estimate(cfg, 'ane', torch.device('mps'), torch.float32, hg.model_sizes(cfg))
     assert ane['gpu'] == 16 * P + int(0.75 * GIB) and ane['ane'] == mem['ane']
-    # a 16 GB Mac runs the defaults, with the warning that other programs may make it swap
+    # a 16 GB Mac runs it, with the warning that other programs may make it swap
     monkeypatch.setattr(memory, 'total_memory', lambda: 16 * GIB)
     said = []
     memory.preflight(cfg, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(cfg), log=said.append)
