@@ -173,7 +173,9 @@ def ctrl_c_exits():
         yield
     except KeyboardInterrupt:
         interrupted()
-    if _stopped:
+    if _stopped:  # the workers stopped now, not by finalizers while the interpreter shuts down
+        for stop in ON_INTERRUPT:
+            stop()
         sys.exit(INTERRUPTED)
 
 
