@@ -155,11 +155,11 @@ _stopped = []
 def stop_run(save, where, in_step, result):
     """Training's Ctrl-C: a second one ignored while `save()` keeps the run, one line; then,
     mid-step (an engine's thread computing), exit 130 at once; else `result`, and main exits."""
-    hold_ctrl_c()
-    save()
     text = f"interrupted: {where}; continue with --resume"
-    if in_step:
-        interrupted(text)
+    with hold_ctrl_c():
+        save()
+        if in_step:
+            interrupted(text)
     print(f"\n{text}", flush=True)
     _stopped.append(text)
     return result
@@ -174,8 +174,9 @@ def ctrl_c_exits():
     except KeyboardInterrupt:
         interrupted()
     if _stopped:  # the workers stopped now, not by finalizers while the interpreter shuts down
-        for stop in ON_INTERRUPT:
-            stop()
+        with hold_ctrl_c():
+            for stop in ON_INTERRUPT:
+                stop()
         sys.exit(INTERRUPTED)
 
 
@@ -209,7 +210,14 @@ def children_ignore_ctrl_c():
             signal.signal(signal.SIGINT, before)
 
 
+@contextlib.contextmanager
 def hold_ctrl_c():
-    """A second Ctrl-C while the first is being handled (a checkpoint saved) is ignored."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """A second Ctrl-C while the first is being handled (a checkpoint saved) is ignored; the
+    handler comes back after, so a caller that goes on (and the processes it starts) can be stopped."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, before)

@@ -1,6 +1,7 @@
 """The trainer end to end on a tiny configuration (CPU, a data set the test writes), and
 the concurrent step with engines whose behaviour the test controls."""
 import math
+import signal
 import threading
 
 import pytest
@@ -49,7 +50,10 @@ def test_interrupt_then_resume_continues_exactly(data_dir, finished_run, tmp_pat
     # --resume to 10: the same batches (seeded by step) and optimizer state give the same
     # weights, bit for bit on the CPU
     ctrl_c.at(4)
+    handler = signal.getsignal(signal.SIGINT)
     helpers.train(data_dir, tmp_path / 'b', max_iters=10)
+    # Ctrl-C is held only while the checkpoint is saved: the caller (and what it starts) can be stopped again
+    assert signal.getsignal(signal.SIGINT) is handler
     ck = torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=False)
     assert ck['iter_num'] == 4 and len(ck['optimizer']['state']) > 0
     ctrl_c.off()

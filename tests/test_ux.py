@@ -57,6 +57,7 @@ def no_children(proc):
     assert ps.strip() == '', ps
 
 
+@pytest.mark.slow  # a real SIGINT to a process group: seconds of start-up each
 def test_ctrl_c_mid_training_saves_returns_at_once_and_exits_130(data_dir, tmp_path):
     # hetero with the ANE's stand-in in its worker: Ctrl-C while steps run saves a checkpoint, says so in
     # one line and exits 130 without waiting for the engines' threads; no worker, no shared memory left
@@ -75,6 +76,7 @@ def test_ctrl_c_mid_training_saves_returns_at_once_and_exits_130(data_dir, tmp_p
     assert shm() <= before
 
 
+@pytest.mark.slow  # a real SIGINT to a process group: seconds of start-up each
 @pytest.mark.skipif(not os.path.isdir('/dev/shm'), reason="counts shared memory in /dev/shm")
 def test_ctrl_c_while_the_ane_worker_starts_is_one_line_and_130(shakespeare, tmp_path):
     # on the double's Mac, Ctrl-C while the worker compiles (the first start may take many minutes):
@@ -170,6 +172,7 @@ def test_the_check_exports_where_the_trainer_reads(monkeypatch, flags):
     assert seen['run_tokens'] == cfg.max_iters * cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
 
 
+@pytest.mark.slow  # a real SIGINT to a process group: seconds of start-up each
 def test_ctrl_c_in_bench_is_one_line_and_130(data_dir, tmp_path):
     proc = start([os.path.join(ROOT, 'bench.py'), *helpers.flags(data_dir, tmp_path / 'b', quiet=None),
                   '--bench_iters', '100000'], tmp_path)
