@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from . import distributed
+from .progress import defer_ctrl_c
 from .settings import UserError
 
 RUN_FILES = ('ckpt.pt', 'ckpt.prev.pt', 'best.pt', 'ckpt.unusable.pt', 'metrics.jsonl')
@@ -102,15 +103,17 @@ def save_checkpoint(path, obj, best=False):
     """ckpt.pt is there and whole at every moment: the new checkpoint is written to a
     temporary file and synced to disk; the current one gets a second name, ckpt.prev.pt;
     then os.replace, atomic, gives the new one the name ckpt.pt. best: best.pt names it
-    first (a run killed before ckpt.pt does replays to the same best)."""
-    with open(path + '.tmp', 'wb') as f:
-        torch.save(obj, f)
-        durable(f)
-    if best:
-        link(path + '.tmp', best_path(path))
-    if os.path.exists(path):
-        link(path, prev_path(path))
-    os.replace(path + '.tmp', path)
+    first (a run killed before ckpt.pt does replays to the same best). Ctrl-C meanwhile
+    waits for the save: torch.save cut mid-write raises an error of its own."""
+    with defer_ctrl_c():
+        with open(path + '.tmp', 'wb') as f:
+            torch.save(obj, f)
+            durable(f)
+        if best:
+            link(path + '.tmp', best_path(path))
+        if os.path.exists(path):
+            link(path, prev_path(path))
+        os.replace(path + '.tmp', path)
 
 
 def durable(f):

@@ -221,3 +221,19 @@ def hold_ctrl_c():
     finally:
         if main:
             signal.signal(signal.SIGINT, before)
+
+
+@contextlib.contextmanager
+def defer_ctrl_c():
+    """Ctrl-C inside is raised as the block ends, not in the middle of it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got = []
+    before = signal.signal(signal.SIGINT, lambda *_: got.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if got and before not in (signal.SIG_IGN, None):
+        raise KeyboardInterrupt
