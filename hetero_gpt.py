@@ -1278,10 +1278,9 @@ def train(cfg, given=frozenset()):
     os.makedirs(cfg.out_dir or '.', exist_ok=True)
     log = tqdm.write if rank == 0 else lambda s: print(f"rank {rank}: {s}", file=sys.stderr)
     model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log)
-    split = step.split
     if init and rank == 0 and not cfg.resume:  # (under torchrun the other ranks get rank 0's weights)
         print(f"fine-tuning from the weights in {pretrained.load(model, cfg.init_from)}")
-    it, tokens, elapsed, best_val, since_best = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, split, engines, rank)
+    it, tokens, elapsed, best_val, since_best = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, step.split, engines, rank)
     bad, best_due, in_step = 0, False, False  # steps in a row without a usable gradient; a best not saved yet
     checkpoints.delete(old_run if rank == 0 else [])  # (--overwrite)
 
@@ -1289,7 +1288,7 @@ def train(cfg, given=frozenset()):
         nonlocal best_due
         if rank == 0:
             counters = dict(iter_num=it, tokens=tokens, elapsed=elapsed, best_val_loss=best_val, evals_since_best=since_best)
-            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, split, engines, **counters), best)
+            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, step.split, engines, **counters), best)
         best_due = False
 
     print(progress.header(model, cfg.mode, engines, meter))  # size, mode, engines, energy meter
@@ -1326,7 +1325,7 @@ def train(cfg, given=frozenset()):
                 row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
                            elapsed=elapsed, mode=cfg.mode, grad_norm=out['grad_norm'],
                            memory=memory.measured(device, engines.get('ane')))
-                own = dict(ane_microbatches=out['k'], microbatches=split.n,
+                own = dict(ane_microbatches=out['k'], microbatches=step.split.n,
                            dropped=dict(step.dropped), skipped=step.skipped)  # this rank's
                 for n, r in out['results'].items():
                     own[f'{n}_tokens_per_s'] = r['n'] * cfg.batch_size * cfg.block_size / r['seconds']
