@@ -210,17 +210,10 @@ def children_ignore_ctrl_c():
             signal.signal(signal.SIGINT, before)
 
 
-@contextlib.contextmanager
 def hold_ctrl_c():
     """A second Ctrl-C while the first is being handled (a checkpoint saved) is ignored; the
-    handler comes back after, so a caller that goes on (and the processes it starts) can be stopped."""
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
-        yield
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, before)
+    handler comes back after, so a caller that goes on (and what it starts) can be stopped."""
+    return children_ignore_ctrl_c()  # the same: SIGINT ignored inside, restored after
 
 
 @contextlib.contextmanager
