@@ -554,21 +554,21 @@ def macos_placement(compiled):
         return dict(unavailable=f"the compute plan needs macOS 14.4 (this is {platform.mac_ver()[0]})")
     ct = import_coremltools()
     from coremltools.models.compute_plan import MLComputePlan
-    try:
-        plan = MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
-    except Exception as e:  # reported; the stage goes on
-        return dict(unavailable=one_line(e))
     share, elsewhere = collections.Counter(), collections.Counter()
-    for op in plan.model_structure.program.functions['main'].block.operations:
-        if op.operator_name == 'const':
-            continue
-        usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
-        cost = plan.get_estimated_cost_for_mlprogram_operation(op)
-        dev = type(usage.preferred_compute_device).__name__ if usage else 'unknown'
-        on_ane = 'NeuralEngine' in dev
-        share['ops', on_ane] += 1
-        share['cost', on_ane] += cost.weight if cost else 0.0
-        if not on_ane:
-            elsewhere[f"{op.operator_name} -> {dev}"] += 1
+    try:  # a plan that cannot be loaded or read is reported, never a failed load
+        plan = MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
+        for op in plan.model_structure.program.functions['main'].block.operations:
+            if op.operator_name == 'const':
+                continue
+            usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+            cost = plan.get_estimated_cost_for_mlprogram_operation(op)
+            dev = type(usage.preferred_compute_device).__name__ if usage else 'unknown'
+            on_ane = 'NeuralEngine' in dev
+            share['ops', on_ane] += 1
+            share['cost', on_ane] += cost.weight if cost else 0.0
+            if not on_ane:
+                elsewhere[f"{op.operator_name} -> {dev}"] += 1
+    except Exception as e:
+        return dict(unavailable=one_line(e))
     return {f'ane_share_of_{w}': round(share[w, True] / max(share[w, True] + share[w, False], 1e-12), 4)
             for w in ('ops', 'cost')} | dict(not_on_ane=dict(elsewhere.most_common()))

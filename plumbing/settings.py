@@ -146,10 +146,14 @@ def resolve_device(name, flag='--device'):
 
 def mps_missing(name, flag):
     """A Mac whose torch has MPS built in but cannot use it: torch 2.10 and newer need macOS 14
-    (coreml_and_ane.md section 6)."""
-    return UserError(f"{flag} {name}: MPS is not available here (torch {torch.__version__} on macOS "
-                     f"{platform.mac_ver()[0]}; torch 2.10 and newer need macOS 14 for MPS): update macOS to 14 or "
-                     "newer, or pip install 'torch<2.10', or give --device cpu for a small run on the CPU")
+    (coreml_and_ane.md section 6); a virtual machine or a sandbox has none either."""
+    here = f"torch {torch.__version__} on macOS {platform.mac_ver()[0]}"
+    if version(platform.mac_ver()[0]) < (14,):
+        why = ("; torch 2.10 and newer need macOS 14 for MPS): update macOS to 14 or newer, or pip install "
+               "'torch<2.10', or")
+    else:
+        why = ", as in a virtual machine or a sandbox): run on the Mac itself, or"
+    return UserError(f"{flag} {name}: MPS is not available here ({here}{why} give --device cpu for a small run on the CPU")
 
 
 def resolve_dtype(name, device, flag='--dtype'):

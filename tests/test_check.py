@@ -136,6 +136,7 @@ def test_a_partial_rerun_merges_into_the_full_report_and_another_model_gets_its_
     assert [r['name'] for r in json.load(open(written))['stages']] == ['coreml']
 
 
+@pytest.mark.slow  # a real SIGINT to a process group
 def test_ctrl_c_keeps_the_finished_stages_and_exits_130(tmp_path):
     # a real SIGINT to the check's process group (as Ctrl-C in a terminal) while its second stage runs:
     # the first stage's result is in the report, the rest 'interrupted', one line, exit code 130, no

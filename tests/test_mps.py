@@ -180,6 +180,7 @@ def test_max_rss_is_in_bytes_whatever_sys_platform_says(tmp_path):
     assert 2**26 < now < 1.1 * memory.max_rss() < 2**35  # (here, without the double)
 
 
+@pytest.mark.slow  # a trainer under both doubles (the engine's copies: the fast test above)
 def test_the_macs_defaults_train_on_mps_and_record_their_memory(shakespeare, exported, tmp_path):
     # no batch flags: the Mac's own (2 sequences, 16 microbatches), the GPU engine on MPS with
     # fused AdamW, both engines each step; each row: the memory measured beside the estimate

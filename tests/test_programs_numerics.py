@@ -111,6 +111,7 @@ ORIGINAL_SUM = hg.MILOps.sum
 GATE_CFG = hg.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128)
 
 
+@pytest.mark.slow  # the self-check's stage thrice (the programs' own gradients: tests/test_coreml.py)
 @pytest.mark.parametrize('mutation', [None, row_sum_dropped, bias_sums_doubled])
 def test_the_gradient_gate_catches_what_a_whole_tensor_cosine_misses(mutation, monkeypatch, tmp_path):
     # The self-check's gate (ane_check.gradients, judge_gradients) on programs with a defect, in the NumPy

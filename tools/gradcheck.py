@@ -7,6 +7,8 @@ third's norm, so a wrong q or k gradient leaves the whole tensor's cosine near 1
 is blind to scale, so each part's norm ratio is judged too. Used by test_grads.py, the tests
 and the self-check's gradient gate (tools/ane_check.py).
 """
+from __future__ import annotations  # `int | None` on Python 3.9 (a Mac's system Python)
+
 import dataclasses
 import re
 
