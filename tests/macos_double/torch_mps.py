@@ -123,6 +123,9 @@ def _outer(t, owners):
 
 
 def _same_device(func, args, kwargs):
+    # indices may stay on the CPU: advanced indexing moves them (x[:, [-1]] makes a CPU index)
+    if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default):
+        args = args[:1] + args[2:]
     flat = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     if any(type(t) is torch.Tensor and t.device.type == 'cpu' and t.dim() > 0 for t in flat):
         raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
