@@ -121,11 +121,17 @@ def test_a_mac_takes_its_own_defaults_for_flags_not_given(monkeypatch):
         assert said[0].startswith('on a Mac: a run sized for an hour') and 'batch_size=4' not in said[0]
 
 
-def test_help_says_what_replaces_the_defaults_without_a_gpu(capsys):
+@pytest.mark.parametrize('cuda', [False, True])
+def test_help_says_what_replaces_the_defaults_without_a_gpu(capsys, monkeypatch, cuda):
+    # a machine without a GPU (whatever this one has), then one with CUDA: GPT-2's defaults alone
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: cuda)
     with pytest.raises(SystemExit):
         hg.parse_args(['--help'])
     text = ' '.join(capsys.readouterr().out.split())
-    assert "GPT-2 124M's" in text and 'no GPU' in text and '(default here, no GPU: 4; with a CUDA GPU' in text
+    if cuda:
+        assert 'no GPU' not in text and 'default here' not in text and '(default: 12)' in text, text
+    else:
+        assert "GPT-2 124M's" in text and 'no GPU' in text and '(default here, no GPU: 4; with a CUDA GPU' in text
 
 
 @pytest.mark.parametrize('damage', ['meta.json not JSON', 'token id past the vocabulary', 'short train.bin'])

@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '8', '--vocab_size', '100']
 
 
+@pytest.mark.slow  # four stage processes: the hang and pipe tests below are the fast ones
 def test_a_stage_that_dies_or_raises_is_reported_and_the_next_runs():
     # each stage in a spawned process: one that raises is 'failed' with its error, one killed
     # (SIGKILL, as a failed ANE compile) is 'killed', and the stages after each still run and

@@ -84,6 +84,7 @@ def assert_close(a, b):
     assert num <= 1e-5 * sum((a[k] ** 2).sum() for k in a) ** 0.5
 
 
+@pytest.mark.slow  # two torchrun launches: test_mean_is_over_the_microbatches_used_on_every_rank is the fast one
 def test_two_ranks_match_one_process_and_resume_across_numbers_of_ranks(data_dir, tmp_path):
     one_process(data_dir, tmp_path / 'one', '--max_iters', '8')
     straight = weights(tmp_path / 'one')

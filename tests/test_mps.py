@@ -56,6 +56,7 @@ DOUBLE_FACTS = """
 """
 
 
+@pytest.mark.slow  # the double's own facts, in three processes
 def test_the_double_presents_the_cpu_as_mps(tmp_path):
     f = on_mac(DOUBLE_FACTS, tmp_path)
     assert f['built'] and f['available'] and f['device'] == 'mps:0' and f['is_mps'] and f['value'] == 12.0
@@ -78,6 +79,7 @@ HAZARD = """
 """
 
 
+@pytest.mark.slow  # the double's hazard alone: the engine's test below is the fast one
 def test_a_non_blocking_copy_of_a_view_can_arrive_holding_the_next_one(tmp_path):
     # Copy.mm before the source was retained: the clone is freed as the copy is queued, the next
     # clone of that size takes its memory, and the queued copy reads it later; a blocking copy
@@ -221,6 +223,7 @@ def test_the_concurrency_stage_records_memory_beside_the_estimate(exported, tmp_
     assert 2**24 < m['rss'] < 1.1 * m['max_rss'] and 2**24 < m['worker_max_rss'] < 2**34
 
 
+@pytest.mark.slow  # two processes under the double
 def test_a_mac_whose_torch_cannot_use_mps_is_told_what_to_change(tmp_path):
     # macOS 13 with torch 2.10 or newer: MPS built, not available; not a silent small CPU run
     r = mac([os.path.join(ROOT, 'hetero_gpt.py'), '--dataset', 'shakespeare', '--max_iters', '1'], tmp_path, version='13.6')

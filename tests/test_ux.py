@@ -135,6 +135,7 @@ def test_bench_help_shows_its_own_flags_first(capsys):
     assert text.index("the trainer's flags") < text.index('--batch_size BATCH_SIZE\n')
 
 
+@pytest.mark.slow  # a trainer process of its own
 def test_a_log_that_is_not_a_terminal_is_lines_with_the_projected_time(data_dir, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, 'hetero_gpt.py'),
                         *helpers.flags(data_dir, tmp_path / 'o', max_iters=8, log_interval=2, eval_interval=4, quiet=None)],

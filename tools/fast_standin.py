@@ -190,6 +190,8 @@ class FastEagerEngine(hg.EagerEngine):
                     self.capture(*key)
                 except RuntimeError as e:  # e.g. out of memory: run op by op instead
                     self.use_graph, self.graph, self.g_out = False, None, None
+                    if self.device.type == 'cuda':
+                        release_rng(self.device)
                     print(f"{self.label}: CUDA graph capture failed ({e}); running the step op by op")
             if not self.use_graph:
                 return super().loss_and_grads(idx, targets)
@@ -198,6 +200,16 @@ class FastEagerEngine(hg.EagerEngine):
             self.graph.replay()
             loss, grads = self.g_out
             return loss.clone(), {k: v.clone() for k, v in grads.items()}
+
+
+def release_rng(device):
+    """A capture that failed leaves the device's random generator in capture mode (PyTorch's
+    CUDAGraph ends that only when the capture succeeds), and every later random op on the device
+    then fails: the generator gets a fresh state at the same seed and offset."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    fresh = torch.Generator(device)
+    fresh.set_state(gen.get_state())
+    gen.graphsafe_set_state(fresh)
 
 
 class PaddedHeadGPT(hg.GPT):
