@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-import hetero_gpt as hg  # defines: Config, setup, load_data, build_run, step_batches, main
+import hetero_gpt as hg  # defines: Config, Classes, setup, load_data, build_run, step_batches, main
 from plumbing import progress  # defines: Ticker, clock (each mode's time while it runs)
 
 
@@ -33,10 +33,10 @@ def device_synchronize(device):
         torch.ones((), device=device).item()  # section 1); .item() waits for MPS's one queue without it
 
 
-def bench_mode(cfg, device, dtype, mode, data, init, tok_per_step, n_tok, ticker):
+def bench_mode(cfg, device, dtype, mode, data, init, tok_per_step, n_tok, ticker, classes):
     """One mode built, warmed up, timed for bench_repeats rounds and freed: its row. ticker.what
     says which part runs."""
-    model, optimizer, engines, step, meter = hg.build_run(cfg, device, dtype, mode)
+    model, optimizer, engines, step, meter = hg.build_run(cfg, device, dtype, mode, classes=classes)
     try:
         model.load_state_dict(init)
         threads = torch.get_num_threads()  # hetero with a CPU engine leaves a core free
@@ -64,14 +64,14 @@ def bench_mode(cfg, device, dtype, mode, data, init, tok_per_step, n_tok, ticker
                 out = train_step(10**6 + r * cfg.bench_iters + i)  # the same batches in every mode
                 rd['step_s'].append(time.perf_counter() - t)
                 for n, res in out['results'].items():
-                    rd['engine_s'].setdefault(n, []).append(res['seconds'])
+                    rd['engine_s'].setdefault(n, []).append(res.seconds)
             sync()
             dt, j = time.perf_counter() - t0, meter.joules()
             rd['tok_s'].append(tok_per_step * cfg.bench_iters / dt)
             rd['joules'].append(None if j is None else j - j0)
         return dict(tok_s=statistics.median(rd['tok_s']), rounds=[round(x) for x in rd['tok_s']],
                     j_tok=None if None in rd['joules'] else sum(rd['joules']) / n_tok,
-                    split=f"{out['k']}/{step.split.n}" if mode == 'hetero' else '-',
+                    split=f"{out['ane_share']}/{step.split.microbatches}" if mode == 'hetero' else '-',
                     engines=' + '.join(e.label for e in engines.values()), meter=meter.name,
                     # where a step's time goes: each engine's share (in parallel), the whole step
                     ms_step=1000 * statistics.median(rd['step_s']),
@@ -94,15 +94,16 @@ def bench(cfg, given):
     if min(cfg.bench_iters, cfg.bench_repeats) < 1:
         raise hg.UserError("--bench_iters and --bench_repeats must be at least 1")
     device, dtype = hg.setup(cfg, given)
+    classes = hg.Classes()
     if cfg.fast:
         try:
-            from tools import fast_standin  # defines: install (its model and stand-in in the reference's place)
+            from tools import fast_standin  # defines: classes (its model, stand-in and step)
         except ImportError:
             raise hg.UserError("--fast needs tools/fast_standin.py, which is absent") from None
-        fast_standin.install(cfg)
+        classes = fast_standin.classes(cfg)
     data = hg.load_data(cfg)
     torch.manual_seed(cfg.seed)
-    init = hg.GPT(hg.model_config(cfg)).state_dict()
+    init = classes.model(hg.model_config(cfg)).state_dict()
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     n_tok = tok_per_step * cfg.bench_iters * cfg.bench_repeats
     rows = {}
@@ -111,7 +112,7 @@ def bench(cfg, given):
               f"{cfg.bench_iters} steps", flush=True)
         ticker = progress.Ticker(f"  {mode}: building").__enter__()
         try:
-            rows[mode] = bench_mode(cfg, device, dtype, mode, data, init, tok_per_step, n_tok, ticker)
+            rows[mode] = bench_mode(cfg, device, dtype, mode, data, init, tok_per_step, n_tok, ticker, classes)
         finally:
             ticker.__exit__()
         r = rows[mode]

@@ -311,7 +311,7 @@ class Derivation:
     def gelu_backward(self, dy, cache):
         # dy/dx = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3 * 0.044715 x^2)
         x, t = cache
-        return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 0.134145 * x * x))
+        return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3 * 0.044715 * x * x))
 
     # ---- causal self-attention on one block's q, k, v (each (N, C))
     def heads(self, x, B, T, H):  # (N, C) -> (B, H, T, D)
@@ -430,7 +430,7 @@ class Derivation:
         return dx - w_tgt * dloss, dws, -x * dloss
 
     # ---- the final layernorm, the tied LM head and the loss, forward and backward
-    def head_step(self, cfg, B, T, inp):
+    def head_forward_backward(self, cfg, B, T, inp):
         """inp: x (N, C), the last block's output; lnf_w, lnf_b; the vocabulary chunks wte_j;
         the target rows wte_tgt; loss_scale. Returns (loss, grads), grads by those names."""
         rows, spans = vocab_chunks(cfg.vocab_size)
@@ -447,7 +447,7 @@ class Derivation:
         return loss, grads
 
     # ---- the whole dense step
-    def dense_step(self, cfg, B, T, inp):
+    def dense_forward_backward(self, cfg, B, T, inp):
         """Forward, loss and backward of GPT-2 between the embedding lookup and the target
         pick. inp: dense inputs by name (dense_input_shapes). Returns (loss, grads), grads
         by the same names; loss is the true mean loss, grads are multiplied by
@@ -458,7 +458,7 @@ class Derivation:
         for l in range(L):
             x, c = self.block_forward(x, blocks[l], B, T, H)
             caches.append(c)
-        loss, grads = self.head_step(cfg, B, T, inp | {'x': x})
+        loss, grads = self.head_forward_backward(cfg, B, T, inp | {'x': x})
         dx = grads.pop('x')  # ---- backward through the blocks: their calls in reverse
         for l in reversed(range(L)):
             dx, d = self.block_backward(dx, blocks[l], caches[l], B, T, H)
@@ -483,8 +483,11 @@ class TorchOps(Derivation):
             return (a.float() @ b.float()).half()
         return a @ b
 
-    exp, log, tanh, rsqrt = (staticmethod(f) for f in (torch.exp, torch.log, torch.tanh, torch.rsqrt))
-    maximum = staticmethod(torch.maximum)
+    def exp(self, x): return torch.exp(x)
+    def log(self, x): return torch.log(x)
+    def tanh(self, x): return torch.tanh(x)
+    def rsqrt(self, x): return torch.rsqrt(x)
+    def maximum(self, a, b): return torch.maximum(a, b)
 
     def sum(self, x, axis, keep=True): return x.sum(axis, keepdim=keep)
     def mean(self, x, axis): return x.mean(axis, keepdim=True)
@@ -582,7 +585,7 @@ def eager_loss_and_grads(ops, cfg, w, idx, targets, loss_scale):
     with torch.no_grad():
         inp = host_weights(w, cfg) | host_batch(w['transformer.wte.weight'], w['transformer.wpe.weight'],
                                                 cfg, idx, targets, loss_scale)
-        loss, g = ops.dense_step(cfg, idx.shape[0], idx.shape[1], inp)
+        loss, g = ops.dense_forward_backward(cfg, idx.shape[0], idx.shape[1], inp)
         out_dtype = torch.float32 if ops.dtype in (torch.float16, torch.bfloat16) else ops.dtype
         return loss.reshape(()).to(out_dtype), host_grads(g, cfg, idx, targets, loss_scale, out_dtype)
 
@@ -652,15 +655,15 @@ class MILOps(Derivation):
     # The ANE's reduce_sum accumulates in fp16, its matmul wide (coreml_and_ane.md section 2).
     # So a sum is a matmul with a constant vector c: x @ c over the last axis, c^T x over rows.
     # c = 1 sums; c = 1/n means, inside the wide sum, so no partial sum leaves fp16's range.
-    def _dot(self, x, axis, c):
+    def sum_as_matmul(self, x, axis, c):
         vec = MILTensor(self.mb.const(val=np.full((1, x.shape[0]) if axis == 0 else (x.shape[axis], 1), c, np.float16)))
         return self.matmul(vec, x) if axis == 0 else self.matmul(x, vec)
 
     def sum(self, x, axis, keep=True):
-        s = self._dot(x, axis, 1.0)
+        s = self.sum_as_matmul(x, axis, 1.0)
         return s if keep else self.reshape(s, [d for i, d in enumerate(x.shape) if i != axis % len(x.shape)])
 
-    def mean(self, x, axis): return self._dot(x, axis, 1.0 / x.shape[axis])
+    def mean(self, x, axis): return self.sum_as_matmul(x, axis, 1.0 / x.shape[axis])
 
     def layernorm_forward(self, x, w, b, eps=1e-5):
         # fp16 squares overflow past 256, and GPT-2's residual rows grow past that
@@ -698,9 +701,9 @@ def run_piece(ops, cfg, B, T, piece, inp):
     """A program's outputs by name from its inputs, on backend ops: what MILOps records as the
     program is what TorchOps runs as its stand-in. The gradient of input k is 'd_' + k."""
     if piece == 'step':
-        loss, g = ops.dense_step(cfg, B, T, inp)
+        loss, g = ops.dense_forward_backward(cfg, B, T, inp)
     elif piece == 'head':
-        loss, g = ops.head_step(cfg, B, T, inp)
+        loss, g = ops.head_forward_backward(cfg, B, T, inp)
     else:
         w = {k: inp[k] for k in BLOCK_PARAMS if k in inp}
         y, cache = ops.block_forward(inp['x'], w, B, T, cfg.n_head)
@@ -918,103 +921,119 @@ class LossScaler:
 
 
 class Split:
-    """How many of a step's n microbatches go to the ANE engine. Fixed (`fraction`), or auto: from each engine's
-    measured seconds per microbatch (smoothed), shares proportional to speed, so that both finish together;
-    unless the GPU engine alone makes the faster step (as where the two share one GPU): then the ANE gets none."""
+    """How many of a step's microbatches go to the ANE engine (ane_share).
+    - fixed: `fraction` of them;
+    - auto: shares proportional to each engine's measured speed, so both finish together;
+    - auto, where the GPU engine alone makes the faster step: none."""
+    PROBE_EVERY, RETIME_EVERY, RETIME_AT = 20, 100, 10  # steps
 
-    def __init__(self, n, fraction='auto'):
-        self.n, self.auto = n, fraction == 'auto'
-        self.k = n // 2 if self.auto else round(float(fraction) * n)
-        self.sec, self.steps = {}, 0  # engine name -> smoothed seconds per microbatch; steps assigned
-        self.step_sec = {}  # a whole step's, per microbatch: 'alone' (the GPU engine with all n), 'both'
+    def __init__(self, microbatches, fraction='auto'):
+        self.microbatches, self.auto = microbatches, fraction == 'auto'
+        self.ane_share = microbatches // 2 if self.auto else round(float(fraction) * microbatches)
+        self.sec_per_microbatch, self.steps = {}, 0  # engine name -> smoothed seconds
+        self.step_sec = {}  # a whole step's seconds per microbatch: 'alone' (GPU only) or 'both'
 
-    def current(self, alive):  # the ANE's share of the microbatches, given which engines are alive
-        return 0 if alive == {'gpu'} else self.n if alive == {'ane'} else self.k
+    def share_now(self, alive):
+        """The ANE's share, given which engines are alive."""
+        return {frozenset({'gpu'}): 0, frozenset({'ane'}): self.microbatches}.get(frozenset(alive), self.ane_share)
 
-    def assign(self, alive):
-        """The ANE's share for the next step. In auto mode, every 20th step gives each engine at least one
-        microbatch, so one the split left idle is measured again, unless one microbatch of it took longer than
-        two whole steps of the other. Where both get a share, the GPU engine alone is timed at step 10 and
-        every 100th step after; while alone is faster, the ANE gets none but at every 20th step."""
+    def worth_probing(self, idle, busy):  # one microbatch of idle within two whole steps of busy
+        return self.sec_per_microbatch.get(idle, 0) <= 2 * self.microbatches * self.sec_per_microbatch.get(busy, 0)
+
+    def next_share(self, alive):
+        """The ANE's share for the next step. In auto mode, with both engines alive:
+        - every PROBE_EVERY steps, an idle engine gets one microbatch, to be timed again;
+        - at step RETIME_AT and every RETIME_EVERY, the GPU engine runs alone, to be timed;
+        - while the GPU alone was faster, it runs alone."""
         self.steps += 1
-        k = self.current(alive)
-        if self.auto and len(alive) == 2 and self.n >= 2:
-            probe = self.steps % 20 == 0
-            worth = lambda idle, busy: self.sec.get(idle, 0) <= 2 * self.n * self.sec.get(busy, 0)
+        k, n = self.share_now(alive), self.microbatches
+        if self.auto and len(alive) == 2 and n >= 2:
+            probe = self.steps % self.PROBE_EVERY == 0
             alone, both = self.step_sec.get('alone', math.inf), self.step_sec.get('both', 0.0)
-            if k == 0 and probe and worth('ane', 'gpu'):
+            if k == 0 and probe and self.worth_probing('ane', 'gpu'):
                 k = 1
-            elif k == self.n and probe and worth('gpu', 'ane'):
-                k = self.n - 1
-            elif 0 < k < self.n and (self.steps % 100 == 10 or alone < both and not probe):
+            elif k == n and probe and self.worth_probing('gpu', 'ane'):
+                k = n - 1
+            elif 0 < k < n and (self.steps % self.RETIME_EVERY == self.RETIME_AT or alone < both and not probe):
                 k = 0
         return k
 
-    def observe(self, seconds_per_mb):
-        for name, s in seconds_per_mb.items():
-            self.sec[name] = s if name not in self.sec else 0.5 * self.sec[name] + 0.5 * s
-        if self.auto and len(self.sec) == 2:
-            r_gpu, r_ane = 1 / self.sec['gpu'], 1 / self.sec['ane']
-            self.k = min(self.n, max(0, round(self.n * r_ane / (r_gpu + r_ane))))
-
-    def observe_step(self, k, s):  # a whole step's seconds per microbatch, both engines up, the ANE's share k
-        if k < self.n:
-            key = 'both' if k else 'alone'
-            self.step_sec[key] = 0.5 * (self.step_sec.get(key, s) + s)  # (the first: s)
+    def observe(self, results, ane_share):
+        """Each engine's seconds per microbatch (smoothed), and the whole step's."""
+        if len(results) == 2:
+            for name, r in results.items():
+                s, old = r.seconds / r.n, self.sec_per_microbatch.get(name)
+                self.sec_per_microbatch[name] = s if old is None else 0.5 * old + 0.5 * s
+            r_gpu, r_ane = (1 / self.sec_per_microbatch[name] for name in ('gpu', 'ane'))
+            if self.auto:
+                self.ane_share = min(self.microbatches, max(0, round(self.microbatches * r_ane / (r_gpu + r_ane))))
+        if ane_share < self.microbatches:
+            key, s = 'both' if ane_share else 'alone', max(r.seconds for r in results.values()) / self.microbatches
+            self.step_sec[key] = 0.5 * (self.step_sec.get(key, s) + s)
 
     def state_dict(self):
-        return dict(n=self.n, k=self.k, sec=self.sec, steps=self.steps, step_sec=self.step_sec)
+        return dict(microbatches=self.microbatches, ane_share=self.ane_share, steps=self.steps,
+                    sec_per_microbatch=self.sec_per_microbatch, step_sec=self.step_sec)
 
-    def load_state_dict(self, s):  # from a share of another size (other ranks): the speeds, not k
-        self.k, self.sec, self.steps = s['k'] if s.get('n', self.n) == self.n else self.k, s['sec'], s['steps']
-        self.step_sec = s.get('step_sec', {})
+    def load_state_dict(self, s):
+        """The speeds; the share too, if it was of as many microbatches (ranks may differ)."""
+        if s['microbatches'] == self.microbatches:
+            self.ane_share = s['ane_share']
+        self.sec_per_microbatch, self.steps, self.step_sec = s['sec_per_microbatch'], s['steps'], s['step_sec']
 
 
-def run_engine(engine, microbatches, wait=True):
-    """Thread body: forward+backward of each microbatch; the sums of their gradients and losses on the device.
-    wait: read here with whether all is finite (seconds: the device's work); else HeteroStep.update decides."""
-    t0, acc, loss = time.perf_counter(), None, 0.0
+@dataclass
+class Share:
+    """One engine's part of a step: its microbatches' summed gradients and loss."""
+    grads: dict
+    loss: float
+    n: int  # microbatches
+    finite: bool
+    seconds: float
+
+    def __add__(self, other):  # the same engine's second run: a failed engine's share
+        torch._foreach_add_(list(self.grads.values()), [other.grads[k] for k in self.grads])  # one launch
+        return Share(self.grads, self.loss + other.loss, self.n + other.n, self.finite and other.finite,
+                     self.seconds + other.seconds)
+
+
+def sum_grads(engine, microbatches):
+    """Forward and backward of each microbatch: (summed gradients, summed loss), on the device."""
+    grads, loss = None, 0.0
     for idx, targets in microbatches:
         l, g = engine.loss_and_grads(idx, targets)
-        if acc is None:
-            acc = g  # each call's tensors are its own: the sums go into the first
-        else:  # one launch, not one per tensor (benchmarks/RESULTS.md, 14)
-            torch._foreach_add_(list(acc.values()), list(g.values()))
-        loss, g = loss + l.float(), None  # a tensor: no wait for the device; this call's gradients freed now
-    r = dict(grads=acc, loss=loss, n=len(microbatches), t0=t0)
-    if wait:  # the host reads them: the one wait for the device (seconds: the split's)
-        finite = grads_finite(acc | {'loss': loss.reshape(1)})
-        return r | dict(loss=float(loss), finite=bool(finite), seconds=time.perf_counter() - t0)
-    # a loss that is not finite makes one gradient value NaN: the update's check then skips it too
-    min(acc.values(), key=torch.Tensor.numel).view(-1)[:1].add_(loss * 0)
-    return r
+        if grads is None:
+            grads = g  # each call's tensors are its own
+        else:
+            torch._foreach_add_(list(grads.values()), list(g.values()))  # one launch
+        loss, g = loss + l.float(), None  # this call's gradients freed now
+    return grads, loss
 
 
-def merge(a, b):  # two settled runs of one engine as one: b's gradients added into a's
-    torch._foreach_add_(list(a['grads'].values()), [b['grads'][k] for k in a['grads']])  # one launch
-    return a | dict(loss=a['loss'] + b['loss'], n=a['n'] + b['n'], finite=a['finite'] and b['finite'])
+def run_engine(engine, microbatches):
+    """Thread body: one engine's share, summed, then read by the host."""
+    t0 = time.perf_counter()
+    grads, loss = sum_grads(engine, microbatches)
+    finite = grads_finite(grads | {'loss': loss.reshape(1)})  # the one wait for the device
+    return Share(grads, float(loss), len(microbatches), bool(finite), time.perf_counter() - t0)
 
 
 class HeteroStep:
-    """One optimizer step over a list of microbatches (all of B*T tokens), on one or both engines, each in its
-    own thread from the same weights. The mean gradient is the sum of both engines' sums over the count of
-    microbatches that contributed: an engine whose gradients are not finite is left out (the mean over the
-    other's is still unbiased); one that raises on a valid batch is retired and the other runs its share (an
-    invalid batch stops the run first). Under torchrun the ranks' sums and counts are added first."""
+    """One optimizer step over a list of microbatches, on one or both engines.
+    - Each engine runs its share in its own thread, from the same weights.
+    - The mean gradient: the finite shares' sums over their microbatches.
+    - An engine with non-finite gradients is left out; the mean stays unbiased.
+    - An engine that raises is retired; the other runs its share too.
+    - Under torchrun, the ranks' sums and counts are added first."""
 
     def __init__(self, model, engines, split, log=print, optimizer=None):
         self.model, self.engines, self.split, self.log, self.optimizer = model, engines, split, log, optimizer
         self.params, self.alive = dict(model.named_parameters()), set(engines)
+        self.weights = next(iter(self.params.values()))  # where the mean gradient goes, and its dtype
         # one long-lived thread per engine: CUDA sets up each new one
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
-        self.dropped = {name: 0 for name in engines}  # steps an engine's grads were not used
-        self.skipped, self.master = 0, next(iter(self.params.values()))  # steps with no update; the first weight
-
-    def on_device(self):
-        """Whether fused AdamW keeps a non-finite gradient from the weights on the device: by `found_inf` (as GradScaler
-        hands it, torch/amp/grad_scaler.py), CUDA's and the CPU's do, MPS's not (coreml_and_ane.md section 6)."""
-        groups = self.optimizer.param_groups if self.optimizer else []
-        return self.master.device.type in ('cuda', 'cpu') and bool(groups) and all(g.get('fused') for g in groups)
+        self.dropped = {name: 0 for name in engines}  # steps an engine's share was left out
+        self.skipped = 0  # steps without an update
 
     def check(self, microbatches):  # a batch the model cannot take: bad data, not a faulty engine
         try:
@@ -1024,27 +1043,28 @@ class HeteroStep:
             raise UserError(f"a microbatch is no valid input ({e}): the data is at fault, not an engine") from None
 
     def __call__(self, microbatches):
-        """The mean gradient into p.grad; returns dict(loss, n, used, results)."""
+        """The mean gradient into p.grad; returns dict(loss, n, used, results, ane_share)."""
         self.check(microbatches)
-        k, both = self.split.assign(self.alive), len(self.alive) == 2
+        k, both = self.split.next_share(self.alive), len(self.alive) == 2
         shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
-        for name in (n for n in self.alive - {'gpu'} if shares[n]):  # this step's weights
-            self.engines[name].load_weights(self.params)
-        # each engine in its own thread (the ANE worker's waits without the GIL); the GPU's alone here, unwaited
-        wait = any(shares[n] for n in self.alive - {'gpu'}) or not self.on_device() or distributed.world()[1] > 1
-        names, results, errors = [n for n in self.alive if shares[n]], {}, {}
-        run = lambda name: run_engine(self.engines[name], shares[name], wait)
-        futures = {n: self.threads[n].submit(run, n) for n in names} if names != ['gpu'] else {}
-        for name in names:
+        for name in self.alive - {'gpu'}:
+            if shares[name]:
+                self.engines[name].load_weights(self.params)  # this step's weights
+        futures = {n: self.threads[n].submit(run_engine, self.engines[n], shares[n]) for n in self.alive if shares[n]}
+        results, errors = {}, {}
+        for name, future in futures.items():
             try:
-                results[name] = futures[name].result() if futures else run(name)
+                results[name] = future.result()
             except Exception as e:  # reported in _recover; training goes on with the other engine
                 errors[name] = e
         self._recover(results, errors, shares)
-        return self._combine(results) | dict(k=k, both=both and not errors)  # (k: the ANE's share)
+        if both and not errors:
+            self.split.observe(results, k)
+        self._count(results)
+        return self._average(results) | dict(ane_share=k)
 
     def _recover(self, results, errors, shares):
-        """An engine that raised is reported and retired; the other runs its microbatches too (the whole batch)."""
+        """An engine that raised is reported and retired; the other runs its share too."""
         self.alive -= set(errors)
         for name, error in errors.items():
             self.dropped[name] += 1
@@ -1059,71 +1079,53 @@ class HeteroStep:
                 redo = self.threads[other].submit(run_engine, self.engines[other], shares[name]).result()
             except Exception as e:
                 raise RuntimeError("both engines failed") from e
-            results[other] = merge(results[other], redo) if other in results else redo
+            results[other] = results[other] + redo if other in results else redo
 
-    def _combine(self, results):
-        if len(results) == 2:
-            self.split.observe({n: r['seconds'] / r['n'] for n, r in results.items()})
-        for name, r in results.items():  # a flag the host read counts now; a pending one in update()
-            if 'seconds' in r:
-                self._count(name, r['finite'])
-        used = {n: r for n, r in results.items() if 'seconds' not in r or r['finite']}
-        n, loss = sum(r['n'] for r in used.values()), sum(r['loss'] for r in used.values())
-        master, total = self.master, None
-        for r in used.values():  # the engines' sums are their own buffers: added to in place
-            g = [r['grads'][k] for k in self.params]
-            if (g[0].device, g[0].dtype) != (master.device, master.dtype):  # an engine elsewhere
-                g = [t.to(master.device, master.dtype) for t in g]
+    def _count(self, results):  # each engine's flag: its loss scale, and a drop if not finite
+        for name, r in results.items():
+            self.engines[name].scaler.update(r.finite)
+            self.dropped[name] += not r.finite
+
+    def _average(self, results):
+        """The finite shares' summed gradients, divided by their microbatches, into p.grad."""
+        used = {name: r for name, r in results.items() if r.finite}
+        n, loss, total = sum(r.n for r in used.values()), sum(r.loss for r in used.values()), None
+        for r in used.values():  # each engine's sums are its own buffers: added to in place
+            g = [r.grads[k] for k in self.params]
+            if (g[0].device, g[0].dtype) != (self.weights.device, self.weights.dtype):  # an engine elsewhere
+                g = [t.to(self.weights.device, self.weights.dtype) for t in g]
             if total is not None:
                 torch._foreach_add_(g, total)  # one launch
             total = g
-        if distributed.world()[1] > 1:  # torchrun: every rank's sums and counts (nothing usable: 0s)
+        for r in results.values():
+            r.grads = None  # the sum is p.grad now
+        if distributed.world()[1] > 1:  # torchrun: every rank's sums and counts
             total = total or [torch.zeros_like(p) for p in self.params.values()]
             *total, n_loss = distributed.all_reduce_sum(total + [total[0].new_tensor([n, loss])])
             n, loss = round(n_loss[0].item()), n_loss[1].item()
-        if n == 0:  # no usable gradient on any rank: no update
+        if n == 0:  # no finite share on any rank: no update
             self.skipped += 1
-            return dict(loss=float('nan'), n=0, used=[], results=results)
+            return dict(loss=math.nan, n=0, used=[], results=results)
         for p, g in zip(self.params.values(), total):
             p.grad = g
-        if n > 1:  # the mean (divided by n, not times a rounded 1/n); one launch
-            torch._foreach_div_(total, float(n))
+        if n > 1:
+            torch._foreach_div_(total, float(n))  # the mean; one launch
         return dict(loss=loss / n, n=n, used=sorted(used), results=results)
 
-    def _count(self, name, finite):  # an engine's flag, read: its loss scale, and a drop if not finite
-        self.engines[name].scaler.update(finite)
-        self.dropped[name] += not finite
-
     def update(self, out, grad_clip=0.0):
-        """The step's one AdamW update from the mean gradient (clipped to norm grad_clip when > 0), if any is
-        usable and finite; the gradients are freed, then the host reads whether it was (a pending engine's flag)."""
-        finite, norm = True, math.nan  # (no usable gradient: no norm)
+        """One AdamW step from the mean gradient, clipped to norm grad_clip if > 0."""
+        norm = math.nan
         if out['n']:
-            # the gradients' norm, read once on the device: the clip's, and not finite if any value is not
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params.values()])
             if grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(self.params.values(), grad_clip, norm)
-            finite = norm.isfinite()
-            if self.on_device():  # skipped on the device if not finite: no wait before the update
-                self.optimizer.found_inf = (~finite).float()
+            if norm.isfinite():  # finite shares can still sum past fp32's range
                 self.optimizer.step()
-                del self.optimizer.found_inf  # (this step's only, as GradScaler's)
-            elif finite:  # (the host waits)
-                self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # freed while the update runs: the allocator reuses memory in
-        for r in out['results'].values():  # its stream's order (an engine's own stream waits on this one first)
-            r.pop('grads', None)
-        finite = bool(finite)  # the update is queued: now the host reads it, as run_engine's wait
-        for name, r in out['results'].items():
-            if 'seconds' not in r:  # a pending engine's flag: the step's
-                r |= dict(loss=float(r['loss']), finite=finite, seconds=time.perf_counter() - r['t0'])
-                self._count(name, finite)
-        if not finite:  # a pending engine's gradient, or (every flag read finite) their sum past fp32's range
-            self.skipped += 1
-            out |= dict(loss=float('nan'), n=0, used=[])
-        out |= dict(loss=float(out['loss']), grad_norm=float(norm))  # (the loss: a tensor until now; the norm unclipped)
-        if out.get('both'):  # the whole step's time, both engines up: for the auto split
-            self.split.observe_step(out['k'], max(r['seconds'] for r in out['results'].values()) / self.split.n)
+            else:
+                self.skipped += 1
+                out |= dict(loss=math.nan, n=0, used=[])
+        self.optimizer.zero_grad(set_to_none=True)
+        out['grad_norm'] = float(norm)  # before clipping
         return out
 
 
@@ -1219,7 +1221,7 @@ def ane_engine(spec, scaler=None):
     return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'], predict, meta['pieces'], scaler, label)
 
 
-def build_engines(cfg, model, device, dtype, mode, log=print):
+def build_engines(cfg, model, device, dtype, mode, log=print, eager_engine=EagerEngine):
     """The engines a mode needs: {'gpu': ..., 'ane': ...}."""
     engines = {}
     if mode in ('gpu', 'hetero'):
@@ -1236,7 +1238,7 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
         elif ON_MAC or cfg.ane_evaluator == 'numpy':  # the programs in this process (on a Mac: GIL-bound)
             engines['ane'] = ane_engine(ane_spec(cfg, ane_dtype, log), scaler)
         else:
-            engines['ane'] = EagerEngine(model.config, ane_dev, ane_dtype, scaler)
+            engines['ane'] = eager_engine(model.config, ane_dev, ane_dtype, scaler)
             if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
                 worker.share_cores(gpu_on_cpu=False)  # one core left to the thread that launches the GPU's kernels
         if not ON_MAC:
@@ -1244,17 +1246,25 @@ def build_engines(cfg, model, device, dtype, mode, log=print):
     return engines
 
 
-def build_run(cfg, device, dtype, mode, log=print):
+@dataclass(frozen=True)
+class Classes:
+    """The classes a run builds. A variant passes its subclasses here (tools/fast_standin.py)."""
+    model: type = GPT
+    eager_engine: type = EagerEngine
+    step: type = HeteroStep
+
+
+def build_run(cfg, device, dtype, mode, log=print, classes=Classes()):
     """What a training run (and each bench.py mode) needs: the model (fp32 master weights,
     fp64 under --dtype float64), AdamW, the mode's engines, the step, a meter."""
     memory.preflight(cfg, mode, device, dtype, model_sizes(cfg), log)
-    model = GPT(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
+    model = classes.model(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
     optimizer = make_optimizer(model, cfg, device)
-    engines = build_engines(cfg, model, device, dtype, mode, log)
+    engines = build_engines(cfg, model, device, dtype, mode, log, classes.eager_engine)
     n = len(distributed.rank_share(range(cfg.gradient_accumulation_steps)))  # this rank's microbatches
     split = Split(n, {'gpu': '0', 'ane': '1', 'hetero': cfg.ane_fraction}[mode])
     meter = energy.EnergyMeter({device} | {e.device for e in engines.values()})
-    return model, optimizer, engines, HeteroStep(model, engines, split, log=log, optimizer=optimizer), meter
+    return model, optimizer, engines, classes.step(model, engines, split, log=log, optimizer=optimizer), meter
 
 
 def setup(cfg, given, log=print):
@@ -1266,7 +1276,7 @@ def setup(cfg, given, log=print):
     return device, dtype
 
 
-def train(cfg, given=frozenset()):
+def train(cfg, given=frozenset(), classes=Classes()):
     rank, world = distributed.join_ranks(cfg)
     ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
     restored = checkpoints.restore(cfg, given, ckpt_path, rank)  # --resume: the run's own settings
@@ -1277,7 +1287,7 @@ def train(cfg, given=frozenset()):
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir or '.', exist_ok=True)
     log = tqdm.write if rank == 0 else lambda s: print(f"rank {rank}: {s}", file=sys.stderr)
-    model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log)
+    model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log, classes)
     if init and rank == 0 and not cfg.resume:  # (under torchrun the other ranks get rank 0's weights)
         print(f"fine-tuning from the weights in {pretrained.load(model, cfg.init_from)}")
     it, tokens, elapsed, best_val, since_best = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, step.split, engines, rank)
@@ -1325,11 +1335,11 @@ def train(cfg, given=frozenset()):
                 row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
                            elapsed=elapsed, mode=cfg.mode, grad_norm=out['grad_norm'],
                            memory=memory.measured(device, engines.get('ane')))
-                own = dict(ane_microbatches=out['k'], microbatches=step.split.n,
+                own = dict(ane_microbatches=out['ane_share'], microbatches=step.split.microbatches,
                            dropped=dict(step.dropped), skipped=step.skipped)  # this rank's
                 for n, r in out['results'].items():
-                    own[f'{n}_tokens_per_s'] = r['n'] * cfg.batch_size * cfg.block_size / r['seconds']
-                    own[f'{n}_loss'] = r['loss'] / r['n']  # each engine's own mean: a check on the other
+                    own[f'{n}_tokens_per_s'] = r.n * cfg.batch_size * cfg.block_size / r.seconds
+                    own[f'{n}_loss'] = r.loss / r.n  # each engine's own mean: a check on the other
                 if 'ane' in engines:
                     own['loss_scale'] = engines['ane'].scaler.scale
                 j = meter.joules()

@@ -1,7 +1,7 @@
 """
 The GPU engine's training step at nanoGPT's bench.py settings: GPT-2 124M, batch 12 x 1024,
 10 warm-up and 20 timed steps (forward, backward, AdamW), as hetero_gpt.py trains it
-(AutogradEngine + HeteroStep + fused AdamW). Prints ms/iter (mean over the timed steps,
+(AutogradEngine + HeteroStep + fused AdamW; --fast: tools/fast_standin.py's classes). Prints ms/iter (mean over the timed steps,
 as bench.py does, and the median step) and tokens/s.
 
     python -m benchmarks.bench_gpu --dtype bfloat16 --compile     # from the repository's root
@@ -21,20 +21,21 @@ p.add_argument('--vocab_size', type=int, default=50257)
 p.add_argument('--batch_size', type=int, default=12)
 p.add_argument('--block_size', type=int, default=1024)
 p.add_argument('--bias', default='True', help="False: nanoGPT's bias=False (its bench.py default)")
-p.add_argument('--fast', action='store_true', help="tools/fast_standin.py's model: the LM head padded to 64 rows")
+p.add_argument('--fast', action='store_true', help="tools/fast_standin.py's classes: the LM head padded to 64 rows, no host wait")
 a = p.parse_args()
 
 cfg, _ = hg.parse_args(['--device', 'cuda', '--dtype', a.dtype, '--vocab_size', str(a.vocab_size),
                         '--batch_size', str(a.batch_size), '--block_size', str(a.block_size),
                         '--gradient_accumulation_steps', '1', '--bias', a.bias] + (['--compile'] if a.compile else []))
 device, dtype = hg.setup(cfg, set())
+classes = hg.Classes()
 if a.fast:
-    from tools import fast_standin  # defines: install (its model in the reference's place)
-    fast_standin.install(cfg)
+    from tools import fast_standin  # defines: classes (its model and step)
+    classes = fast_standin.classes(cfg)
 torch.manual_seed(1337)
-model = hg.GPT(hg.model_config(cfg)).to(device)
+model = classes.model(hg.model_config(cfg)).to(device)
 optimizer = hg.make_optimizer(model, cfg, device)
-step = hg.HeteroStep(model, hg.build_engines(cfg, model, device, dtype, 'gpu'), hg.Split(1, '0'), optimizer=optimizer)
+step = classes.step(model, hg.build_engines(cfg, model, device, dtype, 'gpu'), hg.Split(1, '0'), optimizer=optimizer)
 x = torch.randint(a.vocab_size, (a.batch_size, a.block_size), device=device)
 y = torch.randint(a.vocab_size, (a.batch_size, a.block_size), device=device)
 times = []

@@ -27,7 +27,7 @@ p.add_argument('--rounds', type=int, default=1,
                help='nanoGPT and ours take turns this many times; a cell is the median of its rounds')
 p.add_argument('--like_for_like', action='store_true',
                help='only bias=False against --bias False (no rows with biases)')
-p.add_argument('--fast', action='store_true', help="ours (and --also) with tools/fast_standin.py's padded LM head")
+p.add_argument('--fast', action='store_true', help="ours (and --also) with tools/fast_standin.py's classes: padded LM head, no host wait")
 p.add_argument('--also', default='', help="another tree of this repository (e.g. the commit before a change), "
                "timed like ours, --bias False, in the same turns")
 a = p.parse_args()

@@ -92,8 +92,8 @@ class Eta:
                 f"(until about {end}); --patience may stop it sooner")
 
     def say(self, it, elapsed, results, tok_per_microbatch, log):
-        """line(), from a step's results ({engine: {n, seconds}}), to log (None: not this rank)."""
-        rates = {n: r['n'] * tok_per_microbatch / r['seconds'] for n, r in results.items() if r.get('seconds')}
+        """line(), from a step's results ({engine: Share}), to log (None: not this rank)."""
+        rates = {n: r.n * tok_per_microbatch / r.seconds for n, r in results.items() if r.seconds}
         text = self.line(it, elapsed, rates)
         if text and log:
             log(text)

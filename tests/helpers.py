@@ -3,6 +3,7 @@ controls, a clock a test advances, and fp64 autograd references."""
 import contextlib
 import copy
 import json
+import math
 import os
 import threading
 import time
@@ -134,3 +135,27 @@ def autograd_fp64(model, idx, targets):
     _, loss = ref(idx, targets)
     loss.backward()
     return loss.item(), {k: p.grad for k, p in ref.named_parameters()}
+
+
+def lone_gpu_skips_a_nonfinite_update(step_cls, make_optimizer, fused, read_before):
+    """A step of step_cls over the GPU engine alone, its gradients NaN, then 1: the NaN step
+    changes no weight and takes no AdamW step; skipped, dropped and the loss scale count it.
+    read_before: whether the host has read the flag when the step returns."""
+    model, value = tiny_model(), {'v': float('nan')}
+    eng = {'gpu': FakeEngine('gpu', 0, lambda idx: {k: torch.full_like(p, value['v'])
+                                                    for k, p in model.named_parameters()})}
+    opt = make_optimizer(model.parameters(), fused=fused)
+    step = step_cls(model, eng, hg.Split(2, '0'), optimizer=opt)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    out = step(microbatches(2))
+    assert out['used'] == ([] if read_before else ['gpu']) and out['results']['gpu'].finite != read_before
+    step.update(out)
+    assert out['n'] == 0 and out['used'] == [] and math.isnan(out['loss']) and not out['results']['gpu'].finite
+    assert step.skipped == 1 and step.dropped['gpu'] == 1 and eng['gpu'].scaler.scale == 512.0
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+    assert all(int(s['step']) == 0 for s in opt.state.values())  # (a fused step skipped on the device: taken back)
+    assert not hasattr(opt, 'found_inf')  # that step's only: a later opt.step() would skip by it
+    value['v'] = 1.0
+    out = step.update(step(microbatches(2)))
+    assert out['n'] == 2 and out['loss'] == 2.0 and step.skipped == 1 and out['results']['gpu'].seconds > 0
+    assert not any(torch.equal(p, before[k]) for k, p in model.named_parameters())

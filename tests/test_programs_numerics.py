@@ -100,11 +100,11 @@ def test_without_the_peaks_the_saturation_passes(exported, monkeypatch, tmp_path
 
 
 def row_sum_dropped(self, x, axis, keep=True):  # the softmax backward's row sum (the only 4-D sum) as 0
-    return ORIGINAL_SUM(self, x, axis, keep) if len(x.shape) < 4 else self._dot(x, axis, 0.0)
+    return ORIGINAL_SUM(self, x, axis, keep) if len(x.shape) < 4 else self.sum_as_matmul(x, axis, 0.0)
 
 
 def bias_sums_doubled(self, x, axis, keep=True):  # every sum over rows (the bias and norm gradients) x2
-    return ORIGINAL_SUM(self, x, axis, keep) if axis != 0 else self.reshape(self._dot(x, 0, 2.0), [x.shape[1]])
+    return ORIGINAL_SUM(self, x, axis, keep) if axis != 0 else self.reshape(self.sum_as_matmul(x, 0, 2.0), [x.shape[1]])
 
 
 ORIGINAL_SUM = hg.MILOps.sum

@@ -74,17 +74,30 @@ def test_fused_kernels_model_grads(dtype, case):
     assert not (bad := tg.model_check(case, dtype, ops=FusedOps)), bad
 
 
-def test_install_puts_the_fast_classes_in_the_reference(monkeypatch):
-    for name in ('GPT', 'EagerEngine'):  # put back after the test
-        monkeypatch.setattr(hg, name, getattr(hg, name))
-    for name in ('fused_kernels', 'compile'):
-        monkeypatch.setattr(standin.FastEagerEngine, name, False)
+def test_classes_are_passed_not_swapped_in():
+    # the run's classes come from the flags, and the reference's stay its own
     cpu = torch.device('cpu')
     cfg, _ = hg.parse_args(['--fused_kernels'], cls=standin.FastConfig)
-    standin.install(cfg)
-    assert hg.GPT is standin.PaddedHeadGPT and hg.EagerEngine is standin.FastEagerEngine
-    eng = hg.EagerEngine(CFG, cpu, torch.float32, hg.LossScaler(1.0, 0, enabled=False))
-    assert isinstance(eng.ops, FusedOps) and eng.stream is None and not eng.use_graph and 'fused' in eng.label
+    c = standin.classes(cfg)
+    assert (c.model, c.step) == (standin.PaddedHeadGPT, standin.NoWaitStep) and hg.Classes().model is hg.GPT
+    eng = c.eager_engine(CFG, cpu, torch.float32, hg.LossScaler(1.0, 0, enabled=False))
+    assert isinstance(eng, standin.FastEagerEngine) and isinstance(eng.ops, FusedOps) and 'fused' in eng.label
+    assert eng.stream is None and not eng.use_graph
+    plain = standin.FastEagerEngine(CFG, cpu, torch.float32, hg.LossScaler(1.0, 0, enabled=False))
+    assert type(plain.ops) is hg.TorchOps and 'fused' not in plain.label
+
+
+@pytest.mark.parametrize('kind', ['fused', 'unfused', 'resumed unfused'])
+def test_no_wait_step_skips_a_nonfinite_update_on_the_device(kind):
+    # fused AdamW: the flag stays on the device until the update is queued, and AdamW skips by
+    # it. Another AdamW, or a fused one resumed from an unfused one's checkpoint (load_state_dict
+    # keeps the saved fused=False; it takes no found_inf): the reference's step, the host reads first
+    def adamw(params, fused):
+        opt = torch.optim.AdamW(params, fused=kind != 'unfused')
+        if kind == 'resumed unfused':
+            opt.load_state_dict(torch.optim.AdamW(opt.param_groups[0]['params'], fused=False).state_dict())
+        return opt
+    helpers.lone_gpu_skips_a_nonfinite_update(standin.NoWaitStep, adamw, None, read_before=kind != 'fused')
 
 
 def test_padded_head_gives_gpt2s_loss_and_gradients():

@@ -90,9 +90,10 @@ def test_timed_evaluations(data_dir, tmp_path, ctrl_c, monkeypatch):
     # The trainer's clock is the test's: each step takes 0.25 s, so steps 4 and 8 evaluate
     # (and only steps 5 and 10 are due by --eval_interval); a run stopped at step 6 and
     # resumed evaluates at step 8 once more, as the run straight through does
-    clock, real_step = Clock(), hg.HeteroStep.__call__
-    monkeypatch.setattr(hg, 'time', clock)  # moved only here: 0.25 s a step, however often it is read
+    clock, real_step, real_mb = Clock(), hg.HeteroStep.__call__, hg.AutogradEngine.loss_and_grads
+    monkeypatch.setattr(hg, 'time', clock)  # each thread's, moved only here: 0.25 s a step, however often it is read
     monkeypatch.setattr(hg.HeteroStep, '__call__', lambda self, mbs: (real_step(self, mbs), clock.advance(0.25))[0])
+    monkeypatch.setattr(hg.AutogradEngine, 'loss_and_grads', lambda *a: (clock.advance(0.125), real_mb(*a))[1])
     timed = dict(eval_seconds=1, max_iters=10, log_interval=100)
     _, straight = helpers.train(data_dir, tmp_path / 'a', **timed)
     assert [(r['step'], r.get('eval_at_seconds')) for r in straight] == [(4, 1.0), (5, None), (8, 2.0), (10, None)]
@@ -255,13 +256,13 @@ def test_auto_split_moves_toward_the_faster_engine(monkeypatch):
            'ane': FakeEngine('ane', 0.03, const_grads(model, 1.0), clock=clock)}
     split = hg.Split(8, 'auto')
     step = hg.HeteroStep(model, eng, split)
-    assert split.current(step.alive) == 4  # starts even
+    assert split.share_now(step.alive) == 4  # starts even
     step(microbatches(8))
-    assert split.sec == pytest.approx({'gpu': 0.01, 'ane': 0.03}, rel=1e-12)  # the seconds per microbatch
-    assert split.current(step.alive) == 2
+    assert split.sec_per_microbatch == pytest.approx({'gpu': 0.01, 'ane': 0.03}, rel=1e-12)
+    assert split.share_now(step.alive) == 2
     for _ in range(4):
         step(microbatches(8))
-    assert split.current(step.alive) == 2 and eng['ane'].calls == 4 + 4 * 2
+    assert split.share_now(step.alive) == 2 and eng['ane'].calls == 4 + 4 * 2
 
 
 def test_auto_split_remeasures_an_idle_engine():
@@ -272,7 +273,7 @@ def test_auto_split_remeasures_an_idle_engine():
     eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, const_grads(model, 1.0))}
     for ane_sec, probes in ((0.015, 1), (0.017, 0)):  # two GPU steps: 2 * 4 * 0.002 = 0.016 s
         split = hg.Split(4, 'auto')
-        split.sec, split.k = {'gpu': 0.002, 'ane': ane_sec}, 0
+        split.sec_per_microbatch, split.ane_share = {'gpu': 0.002, 'ane': ane_sec}, 0
         step = hg.HeteroStep(model, eng, split)
         calls = eng['ane'].calls
         for _ in range(20):
@@ -290,11 +291,10 @@ def test_auto_split_gives_the_ane_nothing_where_the_gpu_alone_is_faster():
     for alone_s, want in ((0.02, lambda s: 1 if s % 20 == 0 else 0), (0.03, lambda s: 0 if s in (10, 110) else 1)):
         split, given = hg.Split(4, 'auto'), []
         for s in range(1, 121):
-            k = split.assign({'gpu', 'ane'})
+            k = split.next_share({'gpu', 'ane'})
             given.append(k)
-            if k:
-                split.observe({'gpu': 0.03, 'ane': 0.06})
-            split.observe_step(k, max(0.03 * (4 - k), 0.06 * k) / 4 if k else alone_s)
+            ran = {'gpu': (4 - k, 0.03 * (4 - k)), 'ane': (k, 0.06 * k)} if k else {'gpu': (4, 4 * alone_s)}
+            split.observe({name: hg.Share({}, 0.0, n, True, s) for name, (n, s) in ran.items()}, k)
         assert given[0] == 2 and all(given[1:9]), given[:9]  # even, then by speed
         assert given[9:] == [want(s) for s in range(10, 121)], (alone_s, given)
 
@@ -308,7 +308,7 @@ def test_a_hetero_step_times_itself_for_the_split():
     for s in range(1, 11):
         calls = eng['ane'].calls
         out = step.update(step(microbatches(4)))
-        assert out['k'] == (0 if s == 10 else eng['ane'].calls - calls) and out['n'] == 4
+        assert out['ane_share'] == (0 if s == 10 else eng['ane'].calls - calls) and out['n'] == 4
     assert eng['ane'].calls == calls and set(step.split.step_sec) == {'alone', 'both'}
     assert all(v > 0 for v in step.split.step_sec.values())
 
@@ -374,7 +374,7 @@ def test_failing_engine_leaves_training_running():
     said = []
     step = hg.HeteroStep(model, eng, hg.Split(4, '0.5'), log=said.append)
     out = step(microbatches(4))  # the GPU runs its 2 microbatches, then the ANE's 2
-    assert out['used'] == ['gpu'] and step.alive == {'gpu'} and out['results']['gpu']['n'] == 4
+    assert out['used'] == ['gpu'] and step.alive == {'gpu'} and out['results']['gpu'].n == 4
     assert eng['ane'].calls == 1 and eng['gpu'].calls == 4
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
     out = step(microbatches(4))  # the next step runs on the GPU alone, all 4 microbatches
@@ -432,7 +432,7 @@ def test_engine_without_a_share_redoes_a_failed_step_on_this_steps_weights():
     eng = {'gpu': FakeEngine('gpu', 0, None, fail=True),
            'ane': hg.EagerEngine(cfg, torch.device('cpu'), torch.float64, hg.LossScaler(1.0, 0, enabled=False))}
     out = hg.HeteroStep(model, eng, hg.Split(2, '0'), log=lambda s: None)(mbs)
-    assert out['used'] == ['ane'] and out['results']['ane']['n'] == 2
+    assert out['used'] == ['ane'] and out['results']['ane'].n == 2
     got = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
     sum(model(x, y)[1] for x, y in mbs).div(2).backward()
@@ -525,35 +525,11 @@ def test_padded_lm_head_under_autocast_is_gpt2s():
     assert not (bad := gradcheck.check(ga, gb, torch.bfloat16)), bad
 
 
-@pytest.mark.parametrize('kind', ['fused', 'unfused', 'resumed unfused'])
-def test_a_lone_gpu_step_is_not_waited_for_and_skips_a_nonfinite_update(kind):
-    # the GPU engine alone, fused AdamW (make_optimizer's): its flag stays on the device until the
-    # update is queued, and AdamW skips by it. Another optimizer: the host reads the flag first,
-    # as for a fused AdamW resumed from an unfused one's checkpoint (torch's load_state_dict keeps
-    # the saved groups' fused=False; such an AdamW takes no found_inf). Either way a non-finite
-    # gradient never reaches the weights; the counters and loss scale follow
-    model, value, fused = tiny_model(), {'v': float('nan')}, kind == 'fused'
-    eng = {'gpu': FakeEngine('gpu', 0, lambda idx: {k: torch.full_like(p, value['v'])
-                                                    for k, p in model.named_parameters()})}
-    opt = torch.optim.AdamW(model.parameters(), fused=kind != 'unfused')
-    if kind == 'resumed unfused':
-        opt.load_state_dict(torch.optim.AdamW(model.parameters(), fused=False).state_dict())
-    step = hg.HeteroStep(model, eng, hg.Split(2, '0'), optimizer=opt)
-    assert step.on_device() == fused
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    out = step(microbatches(2))
-    assert out['used'] == (['gpu'] if fused else [])
-    assert {'finite', 'seconds'}.isdisjoint(out['results']['gpu']) == fused  # fused: not read yet
-    step.update(out)
-    assert out['n'] == 0 and out['used'] == [] and math.isnan(out['loss'])
-    assert step.skipped == 1 and step.dropped['gpu'] == 1 and eng['gpu'].scaler.scale == 512.0
-    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
-    assert bool(opt.state) == fused and all(int(s['step']) == 0 for s in opt.state.values())  # (fused: taken back)
-    assert not hasattr(opt, 'found_inf')  # (that step's only: a later opt.step() of its own would skip by it)
-    value['v'] = 1.0
-    out = step.update(step(microbatches(2)))
-    assert out['n'] == 2 and out['loss'] == 2.0 and step.skipped == 1 and out['results']['gpu']['seconds'] > 0
-    assert not any(torch.equal(p, before[k]) for k, p in model.named_parameters())
+@pytest.mark.parametrize('fused', [True, False])
+def test_a_lone_gpu_step_skips_a_nonfinite_update(fused):
+    # the GPU engine alone: the host reads its flag before the update, so a non-finite
+    # gradient never reaches the weights, with any AdamW; the counters and loss scale follow
+    helpers.lone_gpu_skips_a_nonfinite_update(hg.HeteroStep, torch.optim.AdamW, fused, read_before=True)
 
 
 def test_the_autograd_engine_leaves_the_model_without_gradients():

@@ -218,7 +218,7 @@ def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
         assert isinstance(engines['ane'], plumbing_worker.WorkerEngine) and 'float16' in engines['ane'].label
         assert engines['ane'].scaler.scale == 256.0 and engines['ane'].proc.is_alive()
         out = step([tuple(torch.randint(0, 50, (8, 8)) for _ in range(2)) for _ in range(2)])
-        assert out['used'] == ['ane', 'gpu'] and out['results']['ane']['n'] == 1
+        assert out['used'] == ['ane', 'gpu'] and out['results']['ane'].n == 1
     finally:
         engines['ane'].close()
     assert engines['ane'].proc is None

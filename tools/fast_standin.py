@@ -15,16 +15,20 @@ FastEagerEngine the eager engine with its step captured once as a CUDA graph and
                 CUDA stream (so it overlaps the GPU engine on the same GPU), and with one
                 flat copy of the weights to another GPU.
 PaddedHeadGPT   the GPU engine's LM head on the vocabulary padded to a multiple of 64.
+NoWaitStep      the GPU engine alone without a host wait before the update.
+classes(cfg)    these, as hetero_gpt.Classes for build_run and train.
 """
 import contextlib
 import dataclasses
 import functools
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 
-import hetero_gpt as hg  # defines: TorchOps, EagerEngine, GPT, Config, eager_loss_and_grads, main, train
+import hetero_gpt as hg  # defines: TorchOps, EagerEngine, GPT, Config, HeteroStep, Share, Classes, sum_grads, eager_loss_and_grads, main, train
+from plumbing import distributed  # defines: world
 
 
 class FusedOps(hg.TorchOps):
@@ -124,12 +128,9 @@ class CompiledOps(hg.TorchOps):
 
 
 class FastEagerEngine(hg.EagerEngine):
-    fused_kernels = compile = False  # install() sets them from the run's flags
-
-    def __init__(self, cfg, device, dtype, scaler, fused_kernels=None, compile=None):
+    def __init__(self, cfg, device, dtype, scaler, fused_kernels=False, compile=False):
         super().__init__(cfg, device, dtype, scaler)
-        self.fused_kernels = self.fused_kernels if fused_kernels is None else fused_kernels
-        self.compile = self.compile if compile is None else compile
+        self.fused_kernels, self.compile = fused_kernels, compile
         # the fused pieces hold vjp functions in their caches, which torch.compile cannot
         # return from a compiled piece: with fused kernels the derivation runs uncompiled
         ops = FusedOps if self.fused_kernels else CompiledOps if self.compile else hg.TorchOps
@@ -244,15 +245,59 @@ class FastConfig(hg.Config):
     fused_kernels: bool = hg.setting(False, "the stand-in's pieces as fused kernels (fp32 statistics inside)")
 
 
-def install(cfg):
-    """The reference's GPT and EagerEngine replaced, for this process, by this file's subclasses."""
-    FastEagerEngine.fused_kernels, FastEagerEngine.compile = getattr(cfg, 'fused_kernels', False), cfg.compile
-    hg.GPT, hg.EagerEngine = PaddedHeadGPT, FastEagerEngine
+class NoWaitStep(hg.HeteroStep):
+    """The GPU engine alone, on one rank, with a fused AdamW on CUDA or the CPU: the host does not
+    wait for the gradients before it queues the update. AdamW skips a non-finite step on the
+    device, by `found_inf` as GradScaler hands it (torch/amp/grad_scaler.py); MPS's fused AdamW
+    ignores it (docs/coreml_and_ane.md section 6). The host reads the flag once the update is queued."""
+    pending = None  # the share whose flag is not read yet
+
+    def unwaited(self):
+        groups = self.optimizer.param_groups if self.optimizer else []
+        return (self.alive == {'gpu'} and distributed.world()[1] == 1 and self.weights.device.type in ('cuda', 'cpu')
+                and bool(groups) and all(g.get('fused') for g in groups))
+
+    def __call__(self, microbatches):
+        if not self.unwaited():
+            return super().__call__(microbatches)
+        self.check(microbatches)
+        self.split.next_share(self.alive)
+        t0 = time.perf_counter()
+        grads, loss = hg.sum_grads(self.engines['gpu'], microbatches)
+        # a loss that is not finite makes one gradient value NaN: the update then skips the step
+        min(grads.values(), key=torch.Tensor.numel).view(-1)[:1].add_(loss * 0)
+        self.pending, self.t0 = hg.Share(grads, loss, len(microbatches), True, 0.0), t0  # settled in update
+        return self._average({'gpu': self.pending}) | dict(ane_share=0)
+
+    def update(self, out, grad_clip=0.0):
+        if self.pending is None:
+            return super().update(out, grad_clip)
+        share, self.pending = self.pending, None
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.params.values()])
+        if grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params.values(), grad_clip, norm)
+        self.optimizer.found_inf = (~norm.isfinite()).float()
+        self.optimizer.step()
+        del self.optimizer.found_inf  # this step's only, as GradScaler's
+        self.optimizer.zero_grad(set_to_none=True)
+        share.finite = bool(norm.isfinite())  # the update is queued: the host reads now
+        share.loss, share.seconds = float(share.loss), time.perf_counter() - self.t0
+        self._count({'gpu': share})
+        if not share.finite:
+            self.skipped += 1
+            out |= dict(loss=math.nan, n=0, used=[])
+        out |= dict(loss=float(out['loss']), grad_norm=float(norm))
+        return out
+
+
+def classes(cfg):
+    """This file's subclasses, for hetero_gpt.build_run."""
+    engine = functools.partial(FastEagerEngine, fused_kernels=getattr(cfg, 'fused_kernels', False), compile=cfg.compile)
+    return hg.Classes(model=PaddedHeadGPT, eager_engine=engine, step=NoWaitStep)
 
 
 def train(cfg, given):
-    install(cfg)
-    return hg.train(cfg, given)
+    return hg.train(cfg, given, classes(cfg))
 
 
 if __name__ == '__main__':
