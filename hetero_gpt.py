@@ -758,6 +758,11 @@ def coreml_predict_fn(path, pieces):
     return lambda piece, inputs: programs.coreml_predict(models[piece], inputs)
 
 
+# -----------------------------------------------------------------------------
+# 5. The engines, and which ones a mode builds: AutogradEngine (the GPU), CoreMLEngine
+# (the ANE), EagerEngine (the derivation in PyTorch: the ANE's stand-in off a Mac).
+
+
 class Engine:
     """What the step needs of an engine: loss_and_grads(idx, targets) -> (0-dim loss, {param
     name: gradient}) of one microbatch, fp32 (fp64 runs: fp64) tensors the caller owns; name
@@ -765,6 +770,70 @@ class Engine:
     step. Each engine runs in a thread of its own (HeteroStep)."""
     def load_weights(self, params):
         pass
+
+
+class LossScaler:
+    """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale` (small gradients stay above
+    zero), the host divides it out. Non-finite: halved; `window` finite steps: doubled, unless 2 x `peak` > `limit`."""
+
+    def __init__(self, scale, window, enabled=True, limit=math.inf):
+        self.scale = float(scale) if enabled else 1.0
+        self.window, self.enabled, self.good, self.limit, self.peak = window, enabled, 0, limit, 0.0
+
+    def update(self, finite):
+        if self.enabled and not finite:
+            self.scale, self.good, self.peak = max(self.scale / 2, 1.0), 0, 0.0
+        elif self.enabled:
+            self.good += 1
+            if self.good >= self.window:
+                if 2 * self.peak < self.limit:  # doubled, the window's largest value stays under limit
+                    self.scale = min(self.scale * 2, 2.0 ** 24)
+                self.good, self.peak = 0, 0.0
+
+
+class AutogradEngine(Engine):
+    """The GPU engine; its model *is* the master copy of the weights (no load_weights)."""
+    name = 'gpu'
+
+    def __init__(self, model, device, dtype, compile=False, scaler=None):
+        self.model, self.device = model, device
+        self.forward = torch.compile(model) if compile else model
+        # bf16/fp16: autocast over fp32 master weights; fp32/fp64: the weights' own dtype
+        self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16)
+                         else contextlib.nullcontext())
+        self.params = list(model.named_parameters())
+        # fp16 autocast needs a loss scale; bf16 and fp32 don't
+        self.scaler = scaler if dtype == torch.float16 and scaler else LossScaler(1.0, 0, enabled=False)
+        self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
+
+    def loss_and_grads(self, idx, targets):  # non-blocking copies on CUDA only: MPS's may read freed memory
+        with self.autocast:  # the forward only: backward ops take their forward's dtypes
+            _, loss = self.forward(*(t.to(self.device, non_blocking=self.device.type == 'cuda') for t in (idx, targets)))
+        self.model.zero_grad(set_to_none=True)  # (once the forward is queued: the device is busy meanwhile)
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()  # (unscaled in fp32: the master's)
+        grads = {n: p.grad / self.scaler.scale if self.scaler.enabled else p.grad for n, p in self.params}
+        self.model.zero_grad(set_to_none=True)  # the model keeps none: the caller owns them
+        return loss.detach(), grads
+
+
+class EagerEngine(Engine):
+    """The derivation, eagerly, on its own copy of the weights in its dtype."""
+    name = 'ane'
+
+    def __init__(self, cfg, device, dtype, scaler):
+        self.cfg, self.device, self.dtype, self.scaler = cfg, device, dtype, scaler
+        self.ops, self.w = TorchOps(dtype, device), None
+        self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
+
+    @torch.no_grad()
+    def load_weights(self, params):
+        if self.w is None:  # buffers made once, refreshed in place
+            self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device) for k, p in params.items()}
+        torch._foreach_copy_(list(self.w.values()), list(params.values()))  # one launch
+
+    def loss_and_grads(self, idx, targets):
+        return eager_loss_and_grads(self.ops, self.cfg, self.w, idx.to(self.device), targets.to(self.device),
+                                    self.scaler.scale)
 
 
 class CoreMLEngine(Engine):
@@ -847,73 +916,56 @@ class CoreMLEngine(Engine):
         return out | {'d_x0': self.dy}
 
 
-# -----------------------------------------------------------------------------
-# 5. The PyTorch engines: AutogradEngine, nanoGPT's model with autograd (the GPU); EagerEngine,
-# the derivation in PyTorch (off a Mac, the ANE's stand-in). Their interface: Engine, section 4.
+def ane_spec(cfg, dtype, log=print):
+    """What builds the ANE engine (ane_engine), in plain values a worker process can take: the
+    programs (exported now if they are not there yet), or the derivation in PyTorch."""
+    mcfg, B, T = model_config(cfg), settings.ane_batch(cfg), cfg.block_size
+    evaluator = 'coreml' if ON_MAC else cfg.ane_evaluator
+    path = cfg.ane_programs or os.path.join(cfg.out_dir, f'ane_B{B}_T{T}')
+    if evaluator != 'eager':
+        path = programs.ensure(path, mcfg, B, T, build_coreml_program, ANE_PIECES, bool(cfg.ane_programs), log)
+    return dict(cfg=dataclasses.asdict(mcfg), shapes={k: tuple(p.shape) for k, p in gpt_param_shapes(mcfg).items()},
+                B=B, T=T, max_batch=cfg.batch_size, evaluator=evaluator, dtype=str(dtype).split('.')[-1],
+                programs=None if evaluator == 'eager' else path)
 
 
-class AutogradEngine(Engine):
-    """The GPU engine; its model *is* the master copy of the weights (no load_weights)."""
-    name = 'gpu'
-
-    def __init__(self, model, device, dtype, compile=False, scaler=None):
-        self.model, self.device = model, device
-        self.forward = torch.compile(model) if compile else model
-        # bf16/fp16: autocast over fp32 master weights; fp32/fp64: the weights' own dtype
-        self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16)
-                         else contextlib.nullcontext())
-        self.params = list(model.named_parameters())
-        # fp16 autocast needs a loss scale; bf16 and fp32 don't
-        self.scaler = scaler if dtype == torch.float16 and scaler else LossScaler(1.0, 0, enabled=False)
-        self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
-
-    def loss_and_grads(self, idx, targets):  # non-blocking copies on CUDA only: MPS's may read freed memory
-        with self.autocast:  # the forward only: backward ops take their forward's dtypes
-            _, loss = self.forward(*(t.to(self.device, non_blocking=self.device.type == 'cuda') for t in (idx, targets)))
-        self.model.zero_grad(set_to_none=True)  # (once the forward is queued: the device is busy meanwhile)
-        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()  # (unscaled in fp32: the master's)
-        grads = {n: p.grad / self.scaler.scale if self.scaler.enabled else p.grad for n, p in self.params}
-        self.model.zero_grad(set_to_none=True)  # the model keeps none: the caller owns them
-        return loss.detach(), grads
+def ane_engine(spec, scaler=None):
+    """The ANE engine a spec describes: a CoreMLEngine on the programs in spec['programs'] (Core
+    ML on a Mac, the NumPy evaluator elsewhere), else the eager derivation on the CPU. Built
+    here, or in the worker process, which calls this function with the spec."""
+    scaler = scaler or LossScaler(1.0, 0, enabled=False)
+    if not spec.get('programs'):
+        return EagerEngine(GPTConfig(**spec['cfg']), torch.device('cpu'), getattr(torch, spec['dtype']), scaler)
+    meta = programs.read_meta(spec['programs'])
+    cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
+    predict = coreml_predict_fn(spec['programs'], meta['pieces'])
+    label = f"Core ML programs {spec['programs']}" + (f" ({programs.load_summary()})" if ON_MAC else ' (NumPy evaluator)')
+    return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'], predict, meta['pieces'], scaler, label)
 
 
-class EagerEngine(Engine):
-    """The derivation, eagerly, on its own copy of the weights in its dtype."""
-    name = 'ane'
-
-    def __init__(self, cfg, device, dtype, scaler):
-        self.cfg, self.device, self.dtype, self.scaler = cfg, device, dtype, scaler
-        self.ops, self.w = TorchOps(dtype, device), None
-        self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
-
-    @torch.no_grad()
-    def load_weights(self, params):
-        if self.w is None:  # buffers made once, refreshed in place
-            self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device) for k, p in params.items()}
-        torch._foreach_copy_(list(self.w.values()), list(params.values()))  # one launch
-
-    def loss_and_grads(self, idx, targets):
-        return eager_loss_and_grads(self.ops, self.cfg, self.w, idx.to(self.device), targets.to(self.device),
-                                    self.scaler.scale)
-
-
-class LossScaler:
-    """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale` (small gradients stay above
-    zero), the host divides it out. Non-finite: halved; `window` finite steps: doubled, unless 2 x `peak` > `limit`."""
-
-    def __init__(self, scale, window, enabled=True, limit=math.inf):
-        self.scale = float(scale) if enabled else 1.0
-        self.window, self.enabled, self.good, self.limit, self.peak = window, enabled, 0, limit, 0.0
-
-    def update(self, finite):
-        if self.enabled and not finite:
-            self.scale, self.good, self.peak = max(self.scale / 2, 1.0), 0, 0.0
-        elif self.enabled:
-            self.good += 1
-            if self.good >= self.window:
-                if 2 * self.peak < self.limit:  # doubled, the window's largest value stays under limit
-                    self.scale = min(self.scale * 2, 2.0 ** 24)
-                self.good, self.peak = 0, 0.0
+def build_engines(cfg, model, device, dtype, mode, log=print, eager_engine=EagerEngine):
+    """The engines a mode needs: {'gpu': ..., 'ane': ...}."""
+    engines = {}
+    if mode in ('gpu', 'hetero'):
+        engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile,
+                                        scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
+    if mode in ('ane', 'hetero'):
+        ane_dev, in_worker = settings.ane_placement(cfg, device)
+        ane_dtype = torch.float16 if ON_MAC else settings.resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
+        scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=ane_dtype == torch.float16,
+                            limit=ANE_OVERFLOW / 2)
+        if in_worker:  # out of this process's GIL
+            spec = ane_spec(cfg, ane_dtype, log) | dict(threads=worker.share_cores(device.type == 'cpu'))
+            engines['ane'] = worker.WorkerEngine(spec, ane_engine, scaler, log, load_timeout=cfg.ane_load_timeout)
+        elif ON_MAC or cfg.ane_evaluator == 'numpy':  # the programs in this process (on a Mac: GIL-bound)
+            engines['ane'] = ane_engine(ane_spec(cfg, ane_dtype, log), scaler)
+        else:
+            engines['ane'] = eager_engine(model.config, ane_dev, ane_dtype, scaler)
+            if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
+                worker.share_cores(gpu_on_cpu=False)  # one core left to the thread that launches the GPU's kernels
+        if not ON_MAC:
+            log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
+    return engines
 
 
 # -----------------------------------------------------------------------------
@@ -1192,58 +1244,6 @@ def make_optimizer(model, cfg, device):
     groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay},
               {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)  # (MPS: 2.4+)
-
-
-def ane_spec(cfg, dtype, log=print):
-    """What builds the ANE engine (ane_engine), in plain values a worker process can take: the
-    programs (exported now if they are not there yet), or the derivation in PyTorch."""
-    mcfg, B, T = model_config(cfg), settings.ane_batch(cfg), cfg.block_size
-    evaluator = 'coreml' if ON_MAC else cfg.ane_evaluator
-    path = cfg.ane_programs or os.path.join(cfg.out_dir, f'ane_B{B}_T{T}')
-    if evaluator != 'eager':
-        path = programs.ensure(path, mcfg, B, T, build_coreml_program, ANE_PIECES, bool(cfg.ane_programs), log)
-    return dict(cfg=dataclasses.asdict(mcfg), shapes={k: tuple(p.shape) for k, p in gpt_param_shapes(mcfg).items()},
-                B=B, T=T, max_batch=cfg.batch_size, evaluator=evaluator, dtype=str(dtype).split('.')[-1],
-                programs=None if evaluator == 'eager' else path)
-
-
-def ane_engine(spec, scaler=None):
-    """The ANE engine a spec describes: a CoreMLEngine on the programs in spec['programs'] (Core
-    ML on a Mac, the NumPy evaluator elsewhere), else the eager derivation on the CPU. Built
-    here, or in the worker process, which calls this function with the spec."""
-    scaler = scaler or LossScaler(1.0, 0, enabled=False)
-    if not spec.get('programs'):
-        return EagerEngine(GPTConfig(**spec['cfg']), torch.device('cpu'), getattr(torch, spec['dtype']), scaler)
-    meta = programs.read_meta(spec['programs'])
-    cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
-    predict = coreml_predict_fn(spec['programs'], meta['pieces'])
-    label = f"Core ML programs {spec['programs']}" + (f" ({programs.load_summary()})" if ON_MAC else ' (NumPy evaluator)')
-    return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'], predict, meta['pieces'], scaler, label)
-
-
-def build_engines(cfg, model, device, dtype, mode, log=print, eager_engine=EagerEngine):
-    """The engines a mode needs: {'gpu': ..., 'ane': ...}."""
-    engines = {}
-    if mode in ('gpu', 'hetero'):
-        engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile,
-                                        scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
-    if mode in ('ane', 'hetero'):
-        ane_dev, in_worker = settings.ane_placement(cfg, device)
-        ane_dtype = torch.float16 if ON_MAC else settings.resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
-        scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=ane_dtype == torch.float16,
-                            limit=ANE_OVERFLOW / 2)
-        if in_worker:  # out of this process's GIL
-            spec = ane_spec(cfg, ane_dtype, log) | dict(threads=worker.share_cores(device.type == 'cpu'))
-            engines['ane'] = worker.WorkerEngine(spec, ane_engine, scaler, log, load_timeout=cfg.ane_load_timeout)
-        elif ON_MAC or cfg.ane_evaluator == 'numpy':  # the programs in this process (on a Mac: GIL-bound)
-            engines['ane'] = ane_engine(ane_spec(cfg, ane_dtype, log), scaler)
-        else:
-            engines['ane'] = eager_engine(model.config, ane_dev, ane_dtype, scaler)
-            if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
-                worker.share_cores(gpu_on_cpu=False)  # one core left to the thread that launches the GPU's kernels
-        if not ON_MAC:
-            log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
-    return engines
 
 
 @dataclass(frozen=True)
