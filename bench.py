@@ -7,6 +7,7 @@ nanoGPT's bench.py, it is the training loop's meat without the rest.
 
 --fast runs the classes of tools/fast_standin.py (the off-Mac speed) in place of the reference's.
 """
+import dataclasses
 import gc
 import statistics
 import time
@@ -33,10 +34,11 @@ def device_synchronize(device):
         torch.ones((), device=device).item()  # section 1); .item() waits for MPS's one queue without it
 
 
-def bench_mode(cfg, device, dtype, mode, data, init, tok_per_step, n_tok, ticker, classes):
+def bench_mode(cfg, run, data, init, tok_per_step, n_tok, ticker, classes):
     """One mode built, warmed up, timed for bench_repeats rounds and freed: its row. ticker.what
     says which part runs."""
-    model, optimizer, engines, step, meter = hg.build_run(cfg, device, dtype, mode, classes=classes)
+    model, optimizer, engines, step, meter = hg.build_run(cfg, run, classes=classes)
+    device, mode = run.device, run.mode
     try:
         model.load_state_dict(init)
         threads = torch.get_num_threads()  # hetero with a CPU engine leaves a core free
@@ -93,7 +95,7 @@ def bench(cfg, given):
     not fit the 16-24 GB that the GPU and the ANE share with the host."""
     if min(cfg.bench_iters, cfg.bench_repeats) < 1:
         raise hg.UserError("--bench_iters and --bench_repeats must be at least 1")
-    device, dtype = hg.setup(cfg, given)
+    cfg, run = hg.setup(cfg, given)
     classes = hg.Classes()
     if cfg.fast:
         try:
@@ -112,7 +114,7 @@ def bench(cfg, given):
               f"{cfg.bench_iters} steps", flush=True)
         ticker = progress.Ticker(f"  {mode}: building").__enter__()
         try:
-            rows[mode] = bench_mode(cfg, device, dtype, mode, data, init, tok_per_step, n_tok, ticker, classes)
+            rows[mode] = bench_mode(cfg, dataclasses.replace(run, mode=mode), data, init, tok_per_step, n_tok, ticker, classes)
         finally:
             ticker.__exit__()
         r = rows[mode]

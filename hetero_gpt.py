@@ -44,7 +44,7 @@ from plumbing import memory  # defines: preflight (refuses a run that will not f
 from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
 from plumbing import progress  # defines: Eta, first_step, show, header, no_bar, stop_run, ctrl_c_exits (what a person sees)
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, check_shapes, coreml_predict, peaks
-from plumbing import settings  # defines: parse_args, check, ane_batch, ane_placement, resolve_dtype, import_coremltools, one_line, machine_defaults
+from plumbing import settings  # defines: parse_args, check, import_coremltools, one_line, machine_defaults
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
 from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # defines: ANE_MAX_DIM, ANE_OVERFLOW (the ANE's limits)
 from plumbing.settings import ON_MAC, UserError, check_batch, setting  # defines: ON_MAC (macOS?), UserError (a user's error), check_batch, setting (a flag)
@@ -916,17 +916,17 @@ class CoreMLEngine(Engine):
         return out | {'d_x0': self.dy}
 
 
-def ane_spec(cfg, dtype, log=print):
+def ane_spec(cfg, run, log=print):
     """What builds the ANE engine (ane_engine), in plain values a worker process can take: the
     programs (exported now if they are not there yet), or the derivation in PyTorch."""
-    mcfg, B, T = model_config(cfg), settings.ane_batch(cfg), cfg.block_size
+    mcfg, B, T = model_config(cfg), run.ane_batch, cfg.block_size
     evaluator = 'coreml' if ON_MAC else cfg.ane_evaluator
     path = cfg.ane_programs or os.path.join(cfg.out_dir, f'ane_B{B}_T{T}')
-    if evaluator != 'eager':
+    if run.ane_programs:
         path = programs.ensure(path, mcfg, B, T, build_coreml_program, ANE_PIECES, bool(cfg.ane_programs), log)
     return dict(cfg=dataclasses.asdict(mcfg), shapes={k: tuple(p.shape) for k, p in gpt_param_shapes(mcfg).items()},
-                B=B, T=T, max_batch=cfg.batch_size, evaluator=evaluator, dtype=str(dtype).split('.')[-1],
-                programs=None if evaluator == 'eager' else path)
+                T=T, max_batch=cfg.batch_size, evaluator=evaluator, dtype=str(run.ane_dtype).split('.')[-1],
+                programs=path if run.ane_programs else None)
 
 
 def ane_engine(spec, scaler=None):
@@ -943,25 +943,23 @@ def ane_engine(spec, scaler=None):
     return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'], predict, meta['pieces'], scaler, label)
 
 
-def build_engines(cfg, model, device, dtype, mode, log=print, eager_engine=EagerEngine):
-    """The engines a mode needs: {'gpu': ..., 'ane': ...}."""
+def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine):
+    """The engines run.mode needs: {'gpu': ..., 'ane': ...}."""
     engines = {}
-    if mode in ('gpu', 'hetero'):
-        engines['gpu'] = AutogradEngine(model, device, dtype, cfg.compile,
+    if run.mode in ('gpu', 'hetero'):
+        engines['gpu'] = AutogradEngine(model, run.device, run.dtype, cfg.compile,
                                         scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
-    if mode in ('ane', 'hetero'):
-        ane_dev, in_worker = settings.ane_placement(cfg, device)
-        ane_dtype = torch.float16 if ON_MAC else settings.resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
-        scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=ane_dtype == torch.float16,
+    if run.mode in ('ane', 'hetero'):
+        scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=run.ane_dtype == torch.float16,
                             limit=ANE_OVERFLOW / 2)
-        if in_worker:  # out of this process's GIL
-            spec = ane_spec(cfg, ane_dtype, log) | dict(threads=worker.share_cores(device.type == 'cpu'))
+        if run.ane_in_worker:
+            spec = ane_spec(cfg, run, log) | dict(threads=worker.share_cores(run.device.type == 'cpu'))
             engines['ane'] = worker.WorkerEngine(spec, ane_engine, scaler, log, load_timeout=cfg.ane_load_timeout)
-        elif ON_MAC or cfg.ane_evaluator == 'numpy':  # the programs in this process (on a Mac: GIL-bound)
-            engines['ane'] = ane_engine(ane_spec(cfg, ane_dtype, log), scaler)
+        elif run.ane_programs:  # in this process (on a Mac: GIL-bound)
+            engines['ane'] = ane_engine(ane_spec(cfg, run, log), scaler)
         else:
-            engines['ane'] = eager_engine(model.config, ane_dev, ane_dtype, scaler)
-            if mode == 'hetero' and ane_dev.type == 'cpu' and device.type != 'cpu':
+            engines['ane'] = eager_engine(model.config, run.ane_device, run.ane_dtype, scaler)
+            if run.mode == 'hetero' and run.ane_device.type == 'cpu' and run.device.type != 'cpu':
                 worker.share_cores(gpu_on_cpu=False)  # one core left to the thread that launches the GPU's kernels
         if not ON_MAC:
             log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
@@ -979,9 +977,9 @@ class Split:
     - auto, where the GPU engine alone makes the faster step: none."""
     PROBE_EVERY, RETIME_EVERY, RETIME_AT = 20, 100, 10  # steps
 
-    def __init__(self, microbatches, fraction='auto'):
-        self.microbatches, self.auto = microbatches, fraction == 'auto'
-        self.ane_share = microbatches // 2 if self.auto else round(float(fraction) * microbatches)
+    def __init__(self, microbatches, fraction=None):  # None: auto
+        self.microbatches, self.auto = microbatches, fraction is None
+        self.ane_share = microbatches // 2 if self.auto else round(fraction * microbatches)
         self.sec_per_microbatch, self.steps = {}, 0  # engine name -> smoothed seconds
         self.step_sec = {}  # a whole step's seconds per microbatch: 'alone' (GPU only) or 'both'
 
@@ -1254,40 +1252,41 @@ class Classes:
     step: type = HeteroStep
 
 
-def build_run(cfg, device, dtype, mode, log=print, classes=Classes()):
+def build_run(cfg, run, log=print, classes=Classes()):
     """What a training run (and each bench.py mode) needs: the model (fp32 master weights,
     fp64 under --dtype float64), AdamW, the mode's engines, the step, a meter."""
-    memory.preflight(cfg, mode, device, dtype, model_sizes(cfg), log)
-    model = classes.model(model_config(cfg)).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
-    optimizer = make_optimizer(model, cfg, device)
-    engines = build_engines(cfg, model, device, dtype, mode, log, classes.eager_engine)
+    memory.preflight(cfg, run, model_sizes(cfg), log)
+    model = classes.model(model_config(cfg)).to(run.device, torch.float64 if run.dtype == torch.float64 else torch.float32)
+    optimizer = make_optimizer(model, cfg, run.device)
+    engines = build_engines(cfg, model, run, log, classes.eager_engine)
     n = len(distributed.rank_share(range(cfg.gradient_accumulation_steps)))  # this rank's microbatches
-    split = Split(n, {'gpu': '0', 'ane': '1', 'hetero': cfg.ane_fraction}[mode])
-    meter = energy.EnergyMeter({device} | {e.device for e in engines.values()})
+    split = Split(n, {'gpu': 0.0, 'ane': 1.0}.get(run.mode, run.ane_fraction))
+    meter = energy.EnergyMeter({run.device} | {e.device for e in engines.values()})
     return model, optimizer, engines, classes.step(model, engines, split, log=log, optimizer=optimizer), meter
 
 
 def setup(cfg, given, log=print):
-    """Checks the configuration (settings.check) and resolves what 'auto' means here."""
+    """(cfg, Run): the configuration checked, 'auto' resolved for this machine (settings.check)."""
     gpt2, mac = cfg.preset == 'gpt2', MAC_GPT2 if cfg.preset == 'gpt2' or 'n_layer' in given else MAC_DEFAULTS
-    device, dtype = settings.check(cfg, given, {} if gpt2 else CPU_DEFAULTS, mac, log)  # (a model given: Mac's 2x16)
-    if device.type == 'cuda':  # as nanoGPT: fp32 matmuls on tensor cores (TF32)
+    cfg, run = settings.check(cfg, given, {} if gpt2 else CPU_DEFAULTS, mac, log)  # (a model given: Mac's 2x16)
+    if run.device.type == 'cuda':  # as nanoGPT: fp32 matmuls on tensor cores (TF32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    return device, dtype
+    return cfg, run
 
 
 def train(cfg, given=frozenset(), classes=Classes()):
-    rank, world = distributed.join_ranks(cfg)
+    cfg, rank, world = distributed.join_ranks(cfg)
     ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
-    restored = checkpoints.restore(cfg, given, ckpt_path, rank)  # --resume: the run's own settings
-    init, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given | restored))  # (rank 0 downloads)
-    device, dtype = setup(cfg, given | restored | fixed)  # the flags init fixed, as if given: no machine default for them
+    cfg, restored = checkpoints.restore(cfg, given, ckpt_path, rank)  # --resume: the run's own settings
+    cfg, init, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given | restored))  # (rank 0 downloads)
+    cfg, run = setup(cfg, given | restored | fixed)  # the flags init fixed, as if given: no machine default for them
     old_run = checkpoints.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
     data = distributed.rank0_first(lambda: load_data(cfg))  # (rank 0 prepares a set that is missing)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir or '.', exist_ok=True)
     log = tqdm.write if rank == 0 else lambda s: print(f"rank {rank}: {s}", file=sys.stderr)
-    model, optimizer, engines, step, meter = build_run(cfg, device, dtype, cfg.mode, log, classes)
+    model, optimizer, engines, step, meter = build_run(cfg, run, log, classes)
+    device, dtype = run.device, run.dtype
     if init and rank == 0 and not cfg.resume:  # (under torchrun the other ranks get rank 0's weights)
         print(f"fine-tuning from the weights in {pretrained.load(model, cfg.init_from)}")
     it, tokens, elapsed, best_val, since_best = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, step.split, engines, rank)

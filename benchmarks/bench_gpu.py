@@ -27,7 +27,8 @@ a = p.parse_args()
 cfg, _ = hg.parse_args(['--device', 'cuda', '--dtype', a.dtype, '--vocab_size', str(a.vocab_size),
                         '--batch_size', str(a.batch_size), '--block_size', str(a.block_size),
                         '--gradient_accumulation_steps', '1', '--bias', a.bias] + (['--compile'] if a.compile else []))
-device, dtype = hg.setup(cfg, set())
+cfg, run = hg.setup(cfg, set())
+device, dtype = run.device, run.dtype
 classes = hg.Classes()
 if a.fast:
     from tools import fast_standin  # defines: classes (its model and step)
@@ -35,7 +36,7 @@ if a.fast:
 torch.manual_seed(1337)
 model = classes.model(hg.model_config(cfg)).to(device)
 optimizer = hg.make_optimizer(model, cfg, device)
-step = classes.step(model, hg.build_engines(cfg, model, device, dtype, 'gpu'), hg.Split(1, '0'), optimizer=optimizer)
+step = classes.step(model, hg.build_engines(cfg, model, run), hg.Split(1, 0.0), optimizer=optimizer)
 x = torch.randint(a.vocab_size, (a.batch_size, a.block_size), device=device)
 y = torch.randint(a.vocab_size, (a.batch_size, a.block_size), device=device)
 times = []

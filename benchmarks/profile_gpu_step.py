@@ -42,14 +42,15 @@ spec.loader.exec_module(nano)
 cfg, _ = hg.parse_args(['--device', 'cuda', '--dtype', a.dtype, '--vocab_size', '50304', '--bias', 'False',
                         '--batch_size', '12', '--block_size', '1024', '--gradient_accumulation_steps', '1']
                        + (['--compile'] if a.compile else []))
-dev, dtype = hg.setup(cfg, set())  # (TF32 on, as bench.py sets it)
+cfg, run = hg.setup(cfg, set())
+dev, dtype = run.device, run.dtype  # (TF32 on, as bench.py sets it)
 torch.manual_seed(1337)
 theirs = nano.GPT(nano.GPTConfig(block_size=1024, bias=False, dropout=0.0)).to(dev)
 opt_t = theirs.configure_optimizers(1e-2, 1e-4, (0.9, 0.95), 'cuda')
 ours = hg.GPT(hg.model_config(cfg)).to(dev)
 opt_o = hg.make_optimizer(ours, cfg, dev)
 engine = hg.AutogradEngine(ours, dev, dtype, compile=a.compile)
-step = hg.HeteroStep(ours, {'gpu': engine}, hg.Split(1, '0'), optimizer=opt_o)
+step = hg.HeteroStep(ours, {'gpu': engine}, hg.Split(1, 0.0), optimizer=opt_o)
 fwd_t = torch.compile(theirs) if a.compile else theirs
 x, y = (torch.randint(50304, (12, 1024), device=dev) for _ in range(2))
 xh, yh = x.cpu(), y.cpu()

@@ -61,11 +61,11 @@ MODEL = ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'bias')
 
 
 def restore(cfg, given, path, rank=0, log=print):
-    """--resume: the settings of the run in path (RESUMED) into cfg, where no flag was given;
-    the names of those set. A model flag given that disagrees with the run's is an error now,
+    """--resume: (cfg with the settings of the run in path (RESUMED) where no flag was given,
+    the names of those). A model flag given that disagrees with the run's is an error now,
     before any engine starts; another flag given wins, said in one line."""
     if not cfg.resume:
-        return set()
+        return cfg, set()
     saved = None
     if rank == 0:
         for p in (path, prev_path(path)):  # (the one resume() will load; it reports a damaged one)
@@ -76,7 +76,7 @@ def restore(cfg, given, path, rank=0, log=print):
                 continue
     saved = distributed.from_rank0(saved)
     if not saved:  # none there (resume() says so), or one saved without its settings
-        return set()
+        return cfg, set()
     if wrong := [k for k in MODEL if k in given and k in saved and getattr(cfg, k) != saved[k]]:
         raise UserError(f"--resume: {path} holds a model of " + ', '.join(f'{k}={saved[k]}' for k in MODEL if k in saved)
                         + "; leave out " + ' '.join(f'--{k}' for k in wrong) + " (its size comes from the "
@@ -84,12 +84,11 @@ def restore(cfg, given, path, rank=0, log=print):
     changed = [f"--{k} {getattr(cfg, k)} (was {saved[k]})" for k in RESUMED
                if k in given and k in saved and getattr(cfg, k) != saved[k]]
     restored = {k for k in RESUMED if k in saved and k not in given}
-    for k in restored:
-        setattr(cfg, k, saved[k])
+    cfg = dataclasses.replace(cfg, **{k: saved[k] for k in restored})
     if rank == 0:
         log(f"--resume: continuing the run in {cfg.out_dir} with its own settings"
             + (f"; given here instead: {', '.join(changed)}" if changed else ''))
-    return restored
+    return cfg, restored
 
 
 def state(cfg, model, optimizer, split, engines, **counters):

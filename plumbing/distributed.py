@@ -16,6 +16,7 @@ On one machine torchrun's agent stops the other ranks with SIGTERM once one has 
 then say which rank stopped, too.
 """
 import contextlib
+import dataclasses
 import datetime
 import math
 import os
@@ -38,19 +39,20 @@ def world():
 def join_ranks(cfg):
     """Under torchrun (it sets RANK, LOCAL_RANK, MASTER_ADDR, ...) joins the other ranks: NCCL
     when the GPU engine is on CUDA (rank r on cuda:LOCAL_RANK), gloo otherwise (CPU, and the
-    Mac's MPS through host memory); the ranks but 0 write only what goes wrong, to stderr."""
+    Mac's MPS through host memory); the ranks but 0 write only what goes wrong, to stderr.
+    (cfg for this rank, rank, world size)."""
     if 'RANK' not in os.environ:
-        return world()
+        return (cfg, *world())
     device = resolve_device(cfg.device)
     if device.type == 'cuda' and device.index is None:
-        cfg.device = f"cuda:{os.environ['LOCAL_RANK']}"
+        cfg = dataclasses.replace(cfg, device=f"cuda:{os.environ['LOCAL_RANK']}")
         torch.cuda.set_device(cfg.device)
     if int(os.environ['RANK']):
-        sys.stdout, cfg.quiet = open(os.devnull, 'w'), True
+        sys.stdout, cfg = open(os.devnull, 'w'), dataclasses.replace(cfg, quiet=True)
     dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
                             timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     start_heartbeat(dist.get_rank(), cfg.dist_timeout)
-    return world()
+    return (cfg, *world())
 
 
 def rank_share(microbatches):

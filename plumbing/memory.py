@@ -8,7 +8,7 @@ import subprocess
 
 import torch
 
-from .settings import ON_MAC, UserError, ane_batch
+from .settings import ON_MAC, UserError
 
 RUNTIME = 2**27  # what a process running PyTorch on the CPU holds beyond its tensors
 # A Mac's processes also load Metal and MPSGraph (the trainer) or coremltools and Core ML (the
@@ -23,10 +23,10 @@ def total_memory():
 
 
 
-def memory_estimate(cfg, mode, device, dtype, sizes):
+def memory_estimate(cfg, mode, device, dtype, sizes, ane_batch):
     """Bytes each engine holds at its peak, by part; 'gpu', 'ane' and 'total' (what the host's
     memory must hold: all of it on a Mac, whose GPU shares it). The peak is while the
-    microbatches run: the sums of gradients (HeteroStep._combine) come after activations are freed.
+    microbatches run: the sums of gradients (HeteroStep._average) come after activations are freed.
     The training process (gpu_ parts, in every mode: the master weights and AdamW live on its
     device): fp32 weights, the step's gradient and AdamW's two moments, 16 bytes a parameter
     (and autocast's half copies of the weights); a microbatch's own gradients while the sum is
@@ -45,7 +45,7 @@ def memory_estimate(cfg, mode, device, dtype, sizes):
     10 bytes a row and channel).
     Each process's runtime: RUNTIME, MAC_RUNTIME with Metal or Core ML.
     sizes: (the model's parameters, the tied LM head once; the vocabulary's rows, padded to
-    the chunks the ANE's head program takes)."""
+    the chunks the ANE's head program takes). ane_batch: sequences an ANE call (Run.ane_batch)."""
     P, vocab_rows = sizes
     C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
     N, half = cfg.batch_size * cfg.block_size, dtype in (torch.float16, torch.bfloat16) and mode != 'ane'
@@ -57,7 +57,7 @@ def memory_estimate(cfg, mode, device, dtype, sizes):
         if device.type == 'mps':
             parts['gpu_attention'] = (2 if half else 4) * L * N * cfg.n_head * cfg.block_size
     if mode in ('ane', 'hetero'):
-        n = ane_batch(cfg) * cfg.block_size
+        n = ane_batch * cfg.block_size
         parts['ane_host_grads'] = 8 * P
         parts['ane_buffers'] = 16 * P + 4 * (L + 2) * n * C
         parts['ane_programs'] = 2 * 2 * n * vocab_rows
@@ -107,14 +107,14 @@ def measured(device, ane=None, estimate=None):
     return out
 
 
-def preflight(cfg, mode, device, dtype, sizes, log=print):
+def preflight(cfg, run, sizes, log=print):
     """Before the first step: refuses a run whose estimate passes 90% of this machine's memory
     (naming the settings to lower), warns past 70% (it would swap under other load)."""
-    mem, have = memory_estimate(cfg, mode, device, dtype, sizes), total_memory()
-    if device.type == 'cuda' and mode != 'ane':
-        gpu_have = torch.cuda.get_device_properties(device).total_memory
+    mem, have = memory_estimate(cfg, run.mode, run.device, run.dtype, sizes, run.ane_batch), total_memory()
+    if run.device.type == 'cuda' and run.mode != 'ane':
+        gpu_have = torch.cuda.get_device_properties(run.device).total_memory
         if mem['gpu'] > 0.9 * gpu_have:
-            raise UserError(f"the GPU engine would need ~{mem['gpu'] / 2**30:.1f} GiB on {device}, which has "
+            raise UserError(f"the GPU engine would need ~{mem['gpu'] / 2**30:.1f} GiB on {run.device}, which has "
                                f"{gpu_have / 2**30:.1f}: lower --batch_size (the microbatch) or the model")
     need = mem['total']
     if need > 0.9 * have:

@@ -6,6 +6,7 @@ project's layout: nanoGPT's keys, so `GPT.load_state_dict` takes them.
 Hugging Face's GPT-2 stores its linear layers as `Conv1D`, whose weight is (in, out);
 nn.Linear's is (out, in), so those four weights per block are transposed.
 """
+import dataclasses
 import json
 import os
 
@@ -60,25 +61,24 @@ def model_args(path):
 
 
 def configure(cfg, given):
-    """Sets cfg's model to --init_from's: (its folder, the flags it fixed), (None, set()) for
+    """(cfg with --init_from's model, its folder, the flags it fixed); (cfg, None, set()) for
     scratch. A model flag given that disagrees is an error; a shorter --block_size keeps the
     first positions (as nanoGPT's crop_block_size), a longer one is an error."""
     if cfg.init_from == 'scratch':
-        return None, set()
+        return cfg, None, set()
     path = folder(cfg.init_from)  # config.json alone: the weights once the run is checked (load)
     args = model_args(path)
     for k in MODEL_FLAGS:
         if k in given and getattr(cfg, k) != args[k]:
             raise UserError(f"--{k} {getattr(cfg, k)} disagrees with --init_from {cfg.init_from} ({k}={args[k]}): "
                             "leave it out, the model's size comes from the checkpoint")
-        setattr(cfg, k, args[k])
+    cfg = dataclasses.replace(cfg, **{k: args[k] for k in MODEL_FLAGS})
     if cfg.block_size <= args['block_size']:
-        return path, set(MODEL_FLAGS)
+        return cfg, path, set(MODEL_FLAGS)
     if 'block_size' in given:
         raise UserError(f"--block_size {cfg.block_size}: --init_from {cfg.init_from} has {args['block_size']} "
                         "positions; a shorter context keeps the first ones")
-    cfg.block_size = args['block_size']
-    return path, set(MODEL_FLAGS) | {'block_size'}
+    return dataclasses.replace(cfg, block_size=args['block_size']), path, set(MODEL_FLAGS) | {'block_size'}
 
 
 def state_dict(path, block_size):

@@ -272,38 +272,47 @@ def check_model(cfg):
         raise UserError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
 
 
-def ane_placement(cfg, device):
-    """(the ANE stand-in's device off a Mac, whether the ANE engine runs in a worker process)."""
-    ane_dev = device if cfg.ane_device == 'auto' or ON_MAC else resolve_device(cfg.ane_device, '--ane_device')
-    return ane_dev, cfg.ane_worker and (ON_MAC or ane_dev.type == 'cpu')
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the settings resolve to on this machine, computed once (check). The engines, the
+    split, the preflight and the "not used" warnings all read it."""
+    mode: str  # gpu, ane or hetero
+    device: torch.device  # the GPU engine's
+    dtype: torch.dtype
+    ane_device: torch.device  # where the ANE's stand-in runs, off a Mac
+    ane_dtype: torch.dtype
+    ane_in_worker: bool  # the ANE engine in a process of its own
+    ane_programs: bool  # the ANE engine runs exported programs, not the eager derivation
+    ane_batch: int  # sequences an ANE call, where it runs programs
+    ane_fraction: float = None  # the ANE's share in mode hetero; None: auto
 
 
 def check(cfg, given, cpu_defaults, mac_defaults, log=print):
-    """Checks every setting and resolves what 'auto' means on this machine: (device, dtype)
-    of the GPU engine. On a machine without an accelerator, cpu_defaults replace the
-    settings the user did not give; on a Mac, mac_defaults."""
+    """Checks every setting and resolves what 'auto' means on this machine: (cfg, Run), cfg a
+    new Config (the one given is left as it is). On a machine without an accelerator,
+    cpu_defaults replace the settings the user did not give; on a Mac, mac_defaults."""
     device = resolve_device(cfg.device)
     defaults, why = ((cpu_defaults, "no GPU: small model and short run for the CPU") if device.type == 'cpu' else
                      (mac_defaults, "on a Mac: a run sized for an hour on a base chip (--preset gpt2: GPT-2 124M)"
                       if 'n_layer' in mac_defaults else "on a Mac: microbatches that fit a 16 GB one") if ON_MAC else ({}, ''))
     changed = {k: v for k, v in defaults.items() if k not in given}
-    for k, v in changed.items():
-        setattr(cfg, k, v)
     if changed:
         log(f"{why} (any flag overrides): " + ' '.join(f'{k}={v}' for k, v in changed.items()))
     if cfg.mode == 'auto':
         no_ane = ON_MAC and mac_without_ane()
-        cfg.mode = 'hetero' if ON_MAC and not no_ane else 'gpu'
+        changed['mode'] = 'hetero' if ON_MAC and not no_ane else 'gpu'
         if no_ane:
             log(f"mode auto: gpu alone ({no_ane})")
+    cfg = dataclasses.replace(cfg, **changed)
     if cfg.mode not in ('gpu', 'ane', 'hetero'):
         raise UserError(f"unknown --mode {cfg.mode!r}: use gpu, ane or hetero")
+    fraction = None  # auto
     if cfg.ane_fraction != 'auto':
         try:
-            ok = 0.0 <= float(cfg.ane_fraction) <= 1.0
+            fraction = float(cfg.ane_fraction)
         except ValueError:
-            ok = False
-        if not ok:
+            pass
+        if fraction is None or not 0.0 <= fraction <= 1.0:
             raise UserError(f"--ane_fraction must be auto or a number in [0, 1], got {cfg.ane_fraction!r}")
     for allowed, ok, names in LIMITS:
         for k in names.split():
@@ -318,7 +327,12 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print):
     if cfg.gradient_accumulation_steps < int(os.environ.get('WORLD_SIZE', 1)):  # under torchrun
         raise UserError(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} counts all ranks' "
                         f"microbatches: use {os.environ['WORLD_SIZE']} or more")
-    dtype, ane_dtype = resolve_dtype(cfg.dtype, device), resolve_dtype(cfg.ane_dtype, device, '--ane_dtype')
+    dtype = resolve_dtype(cfg.dtype, device)
+    ane_dev = device if cfg.ane_device == 'auto' or ON_MAC else resolve_device(cfg.ane_device, '--ane_device')
+    ane_dtype = torch.float16 if ON_MAC else resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
+    in_worker = cfg.ane_worker and (ON_MAC or ane_dev.type == 'cpu')  # out of this process's GIL
+    run = Run(cfg.mode, device, dtype, ane_dev, ane_dtype, in_worker, ON_MAC or cfg.ane_evaluator == 'numpy',
+              ane_batch(cfg), fraction)
     if device.type == 'mps' and cfg.mode != 'ane':
         check_mps(dtype, cfg.compile)
     if ON_MAC and cfg.mode != 'gpu':
@@ -326,12 +340,11 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print):
         check_ane_alignment(cfg, cfg.block_size)
     # the settings given that this run does not use, said once: a flag is never a silent no-op
     gpu16 = dtype == torch.float16 and cfg.mode != 'ane'  # which engines scale their loss
-    ane16 = cfg.mode != 'gpu' and (ON_MAC or ane_dtype == torch.float16)
+    ane16 = cfg.mode != 'gpu' and ane_dtype == torch.float16
     fp16 = gpu16 or ane16
-    worker = ane_placement(cfg, device)[1]  # (and --ane_device checked)
-    programs = cfg.mode != 'gpu' and (ON_MAC or cfg.ane_evaluator == 'numpy')  # exported programs
-    eager_here = cfg.mode != 'gpu' and not ON_MAC and not worker and cfg.ane_evaluator == 'eager'
-    moot = dict(ane_programs=not programs, ane_batch_size=cfg.mode == 'gpu' or eager_here,
+    worker = cfg.mode != 'gpu' and in_worker
+    programs = cfg.mode != 'gpu' and run.ane_programs  # exported programs
+    moot = dict(ane_programs=not programs, ane_batch_size=not programs,
                 ane_fraction=cfg.mode != 'hetero', loss_scale=not gpu16, ane_loss_scale=not ane16,
                 scale_window=not fp16, compile=(ON_MAC or worker) and cfg.mode == 'ane',
                 ane_worker=cfg.mode == 'gpu', ane_load_timeout=not (cfg.mode != 'gpu' and worker),
@@ -340,4 +353,4 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print):
     if unused := [f'--{k}' for k in moot if moot[k] and k in given]:
         log(f"not used by this run (mode {cfg.mode}{', macOS' if ON_MAC else ''}{'' if fp16 else ', no fp16 engine'}): "
             + ', '.join(unused))
-    return device, dtype
+    return cfg, run

@@ -145,7 +145,7 @@ def lone_gpu_skips_a_nonfinite_update(step_cls, make_optimizer, fused, read_befo
     eng = {'gpu': FakeEngine('gpu', 0, lambda idx: {k: torch.full_like(p, value['v'])
                                                     for k, p in model.named_parameters()})}
     opt = make_optimizer(model.parameters(), fused=fused)
-    step = step_cls(model, eng, hg.Split(2, '0'), optimizer=opt)
+    step = step_cls(model, eng, hg.Split(2, 0), optimizer=opt)
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     out = step(microbatches(2))
     assert out['used'] == ([] if read_before else ['gpu']) and out['results']['gpu'].finite != read_before

@@ -5,7 +5,7 @@ import sys
 import torch
 
 import hetero_gpt as hg
-from plumbing import memory
+from plumbing import memory, settings
 
 
 def status(key):  # Linux: VmRSS, this process's resident memory now; VmHWM, its peak since the last reset
@@ -22,8 +22,10 @@ if __name__ == '__main__':
     base = status('VmRSS')  # PyTorch imported, nothing of the run made yet
     with open('/proc/self/clear_refs', 'w') as f:  # the peak from here on (importing a CUDA build peaks higher)
         f.write('5')
-    model, opt, engines, step, meter = hg.build_run(cfg, torch.device('cpu'), torch.float32, 'gpu', log=lambda s: None)
+    cpu = torch.device('cpu')
+    run = settings.Run('gpu', cpu, torch.float32, cpu, torch.float16, False, False, settings.ane_batch(cfg), 0.0)
+    model, opt, engines, step, meter = hg.build_run(cfg, run, log=lambda s: None)
     for _ in range(3):
         step.update(step(batch))
     peak = status('VmHWM')
-    print(peak - base, memory.memory_estimate(cfg, 'gpu', torch.device('cpu'), torch.float32, hg.model_sizes(cfg))['total'])
+    print(peak - base, memory.memory_estimate(cfg, 'gpu', torch.device('cpu'), torch.float32, hg.model_sizes(cfg), settings.ane_batch(cfg))['total'])

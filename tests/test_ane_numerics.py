@@ -203,7 +203,7 @@ def test_injected_overflow_is_caught_and_never_applied(exported):
     engines = {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32),
                'ane': export_ane.open_programs(path, predict=recording(True),
                                                scaler=hg.LossScaler(256.0, 200, limit=programs.ANE_OVERFLOW / 2))}
-    step = hg.HeteroStep(model, engines, hg.Split(2, '0.5'), optimizer=torch.optim.AdamW(model.parameters()))
+    step = hg.HeteroStep(model, engines, hg.Split(2, 0.5), optimizer=torch.optim.AdamW(model.parameters()))
     microbatches = [tuple(torch.randint(0, cfg.vocab_size, (2, 8)) for _ in range(2)) for _ in range(2)]
     alone = copy.deepcopy(model)  # the GPU engine's gradient on its microbatch (the second), alone
     alone(*microbatches[1])[1].backward()
@@ -231,7 +231,9 @@ def test_ane_loss_scale_starts_at_256_and_stops_short_of_saturation():
     # (the worker's scaler lives in the training process too: test_worker.py's trainer test)
     cfg = hg.Config(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, ane_worker=False)
     model = hg.GPT(hg.model_config(cfg))
-    engines = hg.build_engines(cfg, model, torch.device('cpu'), torch.float32, 'hetero', log=lambda s: None)
+    cpu = torch.device('cpu')
+    run = settings.Run('hetero', cpu, torch.float32, cpu, torch.float16, False, False, settings.ane_batch(cfg))
+    engines = hg.build_engines(cfg, model, run, log=lambda s: None)
     assert engines['ane'].scaler.scale == 256.0 and engines['ane'].scaler.limit == programs.ANE_OVERFLOW / 2
     s = hg.LossScaler(256.0, 1, limit=programs.ANE_OVERFLOW / 2)
     for peak, scale in ((1000.0, 512.0), (3000.0, 1024.0), (5000.0, 1024.0), (4000.0, 2048.0)):

@@ -89,6 +89,10 @@ def test_settings_that_do_not_apply_are_named_once(capsys):
     cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_programs', 'x', '--compile'])
     hg.setup(cfg, given, log=said.append)
     assert [s for s in said if s.startswith('not used') and '--ane_programs' in s and '--compile' in s]
+    said.clear()  # the CPU worker runs the eager stand-in a microbatch at a time: no ANE calls to size
+    cfg, given = hg.parse_args(['--device', 'cpu', '--mode', 'hetero', '--ane_batch_size', '2', '--batch_size', '4'])
+    assert hg.setup(cfg, given, log=said.append)[1].ane_in_worker
+    assert [s for s in said if s.startswith('not used') and '--ane_batch_size' in s]
     with pytest.raises(hg.UserError, match='--ane_batch_size 3 must divide --batch_size 8'):
         hg.setup(*hg.parse_args(['--device', 'cpu', '--mode', 'ane', '--ane_batch_size', '3']))
     with pytest.raises(hg.UserError, match='--ane_evaluator'):
@@ -115,9 +119,11 @@ def test_a_mac_takes_its_own_defaults_for_flags_not_given(monkeypatch):
         monkeypatch.setattr(s, check, lambda *a, **k: None)
     for flags, want in (([], hg.MAC_DEFAULTS), (['--batch_size', '4'], dict(hg.MAC_DEFAULTS, batch_size=4))):
         said = []
-        cfg, given = hg.parse_args(flags)
-        assert s.check(cfg, given, hg.CPU_DEFAULTS, hg.MAC_DEFAULTS, log=said.append) == (torch.device('mps'), torch.float32)
+        given_cfg, given = hg.parse_args(flags)
+        cfg, run = s.check(given_cfg, given, hg.CPU_DEFAULTS, hg.MAC_DEFAULTS, log=said.append)
+        assert (run.device, run.dtype, run.ane_dtype, run.mode) == (torch.device('mps'), torch.float32, torch.float16, 'hetero')
         assert {k: getattr(cfg, k) for k in want} == want and cfg.mode == 'hetero'
+        assert given_cfg == hg.parse_args(flags)[0]  # the Config given is left as it was
         assert said[0].startswith('on a Mac: a run sized for an hour') and 'batch_size=4' not in said[0]
 
 
@@ -250,7 +256,7 @@ def test_a_bad_batch_is_an_input_error_not_an_engine_fault():
     model, cpu = hg.GPT(cfg), torch.device('cpu')
     engines = {'gpu': hg.AutogradEngine(model, cpu, torch.float32),
                'ane': hg.EagerEngine(cfg, cpu, torch.float32, hg.LossScaler(1.0, 0, enabled=False))}
-    step = hg.HeteroStep(model, engines, hg.Split(2, '0.5'))
+    step = hg.HeteroStep(model, engines, hg.Split(2, 0.5))
     good = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     for bad in ((torch.full((1, 8), 16), good[1]), (good[0], torch.full((1, 8), -1)), (good[0], good[1][:, :4]),
                 (torch.full((1, 8), float('nan')), good[1])):  # (NaN passes any comparison of bounds)

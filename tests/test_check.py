@@ -17,7 +17,7 @@ from tools import ane_check
 import export_ane
 import hetero_gpt as hg
 import helpers
-from plumbing import memory
+from plumbing import memory, settings
 
 import coremltools  # noqa: F401  (the programs' stages export: a test requirement)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,7 +186,7 @@ def test_the_stages_that_run_off_macos(exported):
     proj = ane_check.projection(ctx)
     other = hg.Config(**ctx['cfg'], batch_size=8, ane_batch_size=2)  # twice the microbatch: more memory
     assert proj['memory']['total'] < memory.memory_estimate(other, 'hetero', torch.device('cpu'), torch.float32,
-                                                            hg.model_sizes(other))['total']
+                                                            hg.model_sizes(other), settings.ane_batch(other))['total']
     assert proj['memory_gib'] == round(proj['memory']['total'] / 2**30, 2) and proj['memory']['total'] > 0
     assert proj['tokens_per_s'] == 'needs macOS (the concurrency stage)'
     # with the concurrency stage's times (4 x 8 tokens a GPU microbatch): each engine's rate beside the
@@ -251,18 +251,20 @@ def test_memory_estimate_against_a_measured_cpu_run(shape):
 
 def test_preflight_refuses_what_will_not_fit_and_warns_near_it(monkeypatch):
     cfg = hg.Config(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=1000, batch_size=8)
-    need = memory.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg))['total']
+    need = memory.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg), settings.ane_batch(cfg))['total']
     said = []
     monkeypatch.setattr(memory, 'total_memory', lambda: int(need / 0.8))
-    memory.preflight(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg), log=said.append)
+    cpu = torch.device('cpu')
+    run = settings.Run('hetero', cpu, torch.float32, cpu, torch.float16, False, True, settings.ane_batch(cfg))
+    memory.preflight(cfg, run, hg.model_sizes(cfg), log=said.append)
     assert len(said) == 1 and 'may swap' in said[0]
     monkeypatch.setattr(memory, 'total_memory', lambda: int(need / 1.5))
     with pytest.raises(hg.UserError, match='lower --batch_size .*--ane_batch_size'):
-        memory.preflight(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg))
+        memory.preflight(cfg, run, hg.model_sizes(cfg))
     # the Mac's defaults: GPT-2 124M in hetero mode fits 16 GB; its old microbatch of 8 would not
     mac = hg.Config(**hg.MAC_DEFAULTS)
-    assert memory.memory_estimate(mac, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(mac))['total'] < 0.7 * 16 * 2**30
-    assert memory.memory_estimate(hg.Config(), 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(hg.Config()))['total'] > 0.9 * 16 * 2**30
+    assert memory.memory_estimate(mac, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(mac), settings.ane_batch(mac))['total'] < 0.7 * 16 * 2**30
+    assert memory.memory_estimate(hg.Config(), 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(hg.Config()), settings.ane_batch(hg.Config()))['total'] > 0.9 * 16 * 2**30
 
 
 def test_check_refuses_calls_that_do_not_divide_the_gpu_microbatch(tmp_path, capsys):

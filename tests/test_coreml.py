@@ -13,6 +13,7 @@ import export_ane
 import hetero_gpt as hg
 import helpers
 from plumbing import programs as coreml_programs
+from plumbing import settings
 from tools import ane_check, gradcheck
 
 # vocabulary 20000 > 16384: two chunks; T = 7: not a power of two; 4 heads
@@ -231,7 +232,9 @@ def test_trainer_exports_once_and_reuses(tmp_path, monkeypatch):
     cfg, _ = hg.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '8',
                             '--vocab_size', '100', '--batch_size', '6', '--out_dir', str(tmp_path),
                             '--ane_evaluator', 'numpy'])
-    ensure_programs = lambda cfg, log: hg.ane_spec(cfg, torch.float16, log)['programs']
+    cpu = torch.device('cpu')
+    run = lambda cfg: settings.Run('ane', cpu, torch.float32, cpu, torch.float16, False, True, settings.ane_batch(cfg))
+    ensure_programs = lambda cfg, log: hg.ane_spec(cfg, run(cfg), log)['programs']
     path = ensure_programs(cfg, log=said.append)
     assert path == str(tmp_path / 'ane_B3_T8')  # the largest divisor of 6 up to ANE_BATCH = 4
     spec = tmp_path / 'ane_B3_T8' / 'head.mlpackage' / 'Data' / 'com.apple.CoreML' / 'model.mlmodel'

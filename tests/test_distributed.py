@@ -148,12 +148,12 @@ def cross_rank_worker(rank, init):
                          ([(float('inf'),) * 4, (5, 6, 7, 8)], [5, 6, 7, 8]),
                          ([(float('inf'),) * 4, (float('inf'),) * 4], [])):
         eng = {'gpu': FakeEngine('gpu', 0, value_grads(model)), 'ane': FakeEngine('ane', 0, value_grads(model))}
-        step = Step(model, eng, hg.Split(4, '0.5'), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        step = Step(model, eng, hg.Split(4, 0.5), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         out = step(mbs(case[rank]))
         assert out['n'] == len(expect), (rank, case)  # the global count, on every rank
         if expect:
             # the same arithmetic in one process: one engine over the microbatches used anywhere
-            one = Step(ref, {'gpu': FakeEngine('gpu', 0, value_grads(ref))}, hg.Split(len(expect), '0'))
+            one = Step(ref, {'gpu': FakeEngine('gpu', 0, value_grads(ref))}, hg.Split(len(expect), 0))
             with pytest.MonkeyPatch.context() as m:  # (in this process alone: no all-reduce)
                 m.setattr(dist, 'is_initialized', lambda: False)
                 assert one(mbs(expect))['loss'] == out['loss'] == 2.0

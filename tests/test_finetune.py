@@ -112,7 +112,8 @@ def test_fine_tuning_lowers_the_loss_in_every_mode(hf_folder, data_dir, tmp_path
     # ~u|z| = 6e-4 a logit of ~0.16, averaged over a microbatch's 128 tokens; measured 2e-4 to
     # 5e-4), or fp32 with TF32 matmuls (10 bits): fp16's 5e-3, still 8x under a random start
     cfg, given = hg.parse_args(FT + ['--data_dir', data_dir, '--mode', mode] + extra)
-    device, dtype = hg.setup(cfg, given, log=lambda s: None)
+    cfg, run = hg.setup(cfg, given, log=lambda s: None)
+    device, dtype = run.device, run.dtype
     with torch.no_grad():
         ref = [torch.nn.functional.cross_entropy(hf_folder[1](x).logits.flatten(0, 1), y.flatten()).item()
                for x, y in hg.step_batches(cfg, prepare_data.load(data_dir, 'tiny', 32, 50257)['train'], 0)]

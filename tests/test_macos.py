@@ -366,7 +366,7 @@ for machine, rosetta in (('x86_64', '0'), ('x86_64', '1'), ('arm64', '0')):
     os.environ['MACOS_DOUBLE_MACHINE'], os.environ['MACOS_DOUBLE_ROSETTA'] = machine, rosetta
     platform.mac_ver = lambda *a, m=machine: ('15.5', ('', '', ''), m)
     cfg_auto, lines = hg.Config(mode='auto', n_layer=2, n_head=2, n_embd=64, block_size=32), []
-    settings.check(cfg_auto, set(), {}, {}, lines.append)
+    cfg_auto, _ = settings.check(cfg_auto, set(), {}, {}, lines.append)
     say(f'auto {machine} {rosetta}', [cfg_auto.mode, [l for l in lines if l.startswith('mode auto')]])
 
 # what the native layer makes of each kind of input (CoreMLPythonUtils.mm, CoreMLPythonArray.mm)
@@ -635,7 +635,7 @@ def test_memory_estimate_counts_what_attention_keeps_on_mps():
     B, T, H, C = 2, 64, 4, 64
     cfg = hg.Config(n_layer=3, n_head=H, n_embd=C, block_size=T, vocab_size=96, batch_size=B)
     per_layer = lambda dtype: memory.memory_estimate(cfg, 'gpu', torch.device('mps'), dtype,
-                                                     hg.model_sizes(cfg))['gpu_attention'] / cfg.n_layer
+                                                     hg.model_sizes(cfg), settings.ane_batch(cfg))['gpu_attention'] / cfg.n_layer
     for dtype in (torch.float32, torch.float16):
         q = torch.empty(B, H, T, C // H, dtype=dtype, device='meta')
         _, probs = torch.ops.aten._scaled_dot_product_attention_math_for_mps(q, q, q, is_causal=True)
@@ -650,7 +650,7 @@ def test_memory_estimate_counts_what_attention_keeps_on_mps():
         hg.CausalSelfAttention(cfg)(torch.randn(B, T, C, requires_grad=True))
     assert list(saved.values()) == [per_layer(torch.float32)]
     assert 'gpu_attention' not in memory.memory_estimate(cfg, 'gpu', torch.device('cpu'), torch.float32,
-                                                          hg.model_sizes(cfg))  # (the CPU's flash path keeps none)
+                                                          hg.model_sizes(cfg), settings.ane_batch(cfg))  # (the CPU's flash path keeps none)
 
 
 def test_core_ml_errors_in_one_line():

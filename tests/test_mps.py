@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hetero_gpt as hg
-from plumbing import memory
+from plumbing import memory, settings
 from tools import gradcheck
 
 pytest.importorskip('coremltools')
@@ -100,7 +100,7 @@ GPU_ENGINE = """
     data = np.random.default_rng(0).integers(0, 128, 5000).astype(np.uint16)
     mbs = hg.step_batches(cfg, data, 0)  # views of one (6, 33) batch, as the trainer makes them
     engine = hg.AutogradEngine(model, torch.device('mps'), torch.float32)
-    step = hg.HeteroStep(model, {'gpu': engine}, hg.Split(3, '0'), optimizer=hg.make_optimizer(model, cfg, 'mps'))
+    step = hg.HeteroStep(model, {'gpu': engine}, hg.Split(3, 0), optimizer=hg.make_optimizer(model, cfg, 'mps'))
     out = step(mbs)  # the mean gradient into p.grad
     grads = {k: p.grad.cpu() for k, p in model.named_parameters()}
     step.update(out)  # fused AdamW on MPS
@@ -121,7 +121,7 @@ def test_the_gpu_engine_on_mps_gets_the_batch_it_was_given(tmp_path):
     cfg = hg.Config(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=128)
     model = hg.GPT(hg.model_config(cfg))
     model.load_state_dict(got['weights'])
-    step = hg.HeteroStep(model, {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32)}, hg.Split(3, '0'),
+    step = hg.HeteroStep(model, {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32)}, hg.Split(3, 0),
                          optimizer=hg.make_optimizer(model, cfg, 'cpu'))
     ref = step([(x.contiguous(), y.contiguous()) for x, y in got['batches']])
     assert abs(got['loss'] - ref['loss']) <= 1e-6 * ref['loss']  # fp32: the mean of 3 losses of ~5
@@ -151,17 +151,19 @@ def test_memory_estimate_item_by_item_for_gpt2_on_a_mac(monkeypatch):
                 ane_programs=2 * 2 * N * R,  # the head's logits and softmax, fp16
                 ane_coreml_copies=2 * R * C + 2 * 4 * R * C,  # the embedding in fp16; its gradient in fp32, twice
                 ane_runtime=0.75 * GIB)  # coremltools and Core ML
-    mem = memory.memory_estimate(cfg, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(cfg))
+    mem = memory.memory_estimate(cfg, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(cfg), settings.ane_batch(cfg))
     assert {k: v for k, v in mem.items() if k not in ('gpu', 'ane', 'total')} == {k: int(v) for k, v in want.items()}
     assert mem['total'] == mem['gpu'] + mem['ane'] == sum(int(v) for v in want.values())
     assert 11 * GIB < mem['total'] < 12 * GIB  # the ~11-12 GiB a run of these sizes is expected to take
     # --mode ane: the master weights and AdamW are still on MPS, the step's gradient with them
-    ane = memory.memory_estimate(cfg, 'ane', torch.device('mps'), torch.float32, hg.model_sizes(cfg))
+    ane = memory.memory_estimate(cfg, 'ane', torch.device('mps'), torch.float32, hg.model_sizes(cfg), settings.ane_batch(cfg))
     assert ane['gpu'] == 16 * P + int(0.75 * GIB) and ane['ane'] == mem['ane']
     # a 16 GB Mac runs it, with the warning that other programs may make it swap
     monkeypatch.setattr(memory, 'total_memory', lambda: 16 * GIB)
     said = []
-    memory.preflight(cfg, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(cfg), log=said.append)
+    mps = torch.device('mps')
+    run = settings.Run('hetero', mps, torch.float32, mps, torch.float16, True, True, settings.ane_batch(cfg))
+    memory.preflight(cfg, run, hg.model_sizes(cfg), log=said.append)
     assert len(said) == 1 and 'may swap' in said[0]
 
 
@@ -170,7 +172,7 @@ def test_max_rss_is_in_bytes_whatever_sys_platform_says(tmp_path):
     # 'darwin' over Linux, and the peak must still come out in bytes: at least the 64 MiB made here
     code = """
         import json, sys, numpy as np
-        from plumbing import memory
+        from plumbing import memory, settings
         a = np.ones(2**26, np.uint8)
         print(json.dumps(dict(platform=sys.platform, rss=memory.rss(), max_rss=memory.max_rss())))  # (in this order)
     """

@@ -300,8 +300,8 @@ def test_engine_on_a_second_gpu_gives_the_one_gpu_step():
     d0, d1 = torch.device('cuda:0'), torch.device('cuda:1')
     het = hg.HeteroStep(a, {'gpu': hg.AutogradEngine(a, d0, torch.float32),
                             'ane': standin.FastEagerEngine(CFG, d1, torch.float32,
-                                                           hg.LossScaler(1.0, 0, enabled=False))}, hg.Split(4, '0.5'))
-    one = hg.HeteroStep(b, {'gpu': hg.AutogradEngine(b, d0, torch.float32)}, hg.Split(4, '0'))
+                                                           hg.LossScaler(1.0, 0, enabled=False))}, hg.Split(4, 0.5))
+    one = hg.HeteroStep(b, {'gpu': hg.AutogradEngine(b, d0, torch.float32)}, hg.Split(4, 0))
     for step in range(2):  # the second step reuses the engine's buffers and graph
         out_h, out_1 = het(mbs), one(mbs)
         assert out_h['used'] == ['ane', 'gpu'] and abs(out_h['loss'] - out_1['loss']) < 1e-5 * out_1['loss']

@@ -27,7 +27,7 @@ def test_loss_falls_and_metrics_are_logged(data_dir, tmp_path):
     assert (tmp_path / 'ckpt.pt').exists() and not (tmp_path / 'ckpt.pt.tmp').exists()
     # each row's rate is the schedule's at the step it took (the row comes after it)
     cfg, given = hg.parse_args(helpers.flags(base=SMALL, **fast))
-    hg.setup(cfg, given, log=lambda s: None)  # (the CPU's defaults for flags not given)
+    cfg, _ = hg.setup(cfg, given, log=lambda s: None)  # (the CPU's defaults for flags not given)
     assert [r['lr'] for r in rows] == [hg.get_lr(cfg, r['step'] - 1) for r in rows]
     assert [r['tokens'] for r in rows] == [r['step'] * 2 * 4 * 32 for r in rows]
 
@@ -131,7 +131,7 @@ def test_grad_norm_is_the_mean_gradients_before_clipping():
     # 0.5: the row's grad_norm is the mean's norm, sqrt(P), not the clipped 0.5 (fp32: 1e-6)
     model = tiny_model()
     eng = {n: FakeEngine(n, 0, const_grads(model, 1.0)) for n in ('gpu', 'ane')}
-    step = hg.HeteroStep(model, eng, hg.Split(4, '0.5'), optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    step = hg.HeteroStep(model, eng, hg.Split(4, 0.5), optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
     out = step.update(step(microbatches(4)), grad_clip=0.5)
     assert out['grad_norm'] == pytest.approx(sum(p.numel() for p in model.parameters()) ** 0.5, rel=1e-6)
 
@@ -153,7 +153,7 @@ def test_fp16_autograd_engine_scales_its_loss():
         assert not (bad := gradcheck.check(grads, ref, torch.float16)), (scale, bad)
     eng.scaler.scale = 2.0 ** 40
     before = {k: p.clone() for k, p in model.state_dict().items()}
-    step = hg.HeteroStep(model, {'gpu': eng}, hg.Split(1, '0'), log=lambda s: None,
+    step = hg.HeteroStep(model, {'gpu': eng}, hg.Split(1, 0), log=lambda s: None,
                          optimizer=torch.optim.AdamW(model.parameters()))
     out = step.update(step([(idx, targets)]))  # (the lone engine's flag is read once AdamW is queued)
     assert out['n'] == 0 and step.skipped == 1 and eng.scaler.scale == 2.0 ** 39
@@ -235,7 +235,7 @@ def test_concurrency_is_real():
     model = tiny_model()
     meet = threading.Barrier(2, timeout=60)
     eng = {n: FakeEngine(n, 0, const_grads(model, 1.0), meet=meet) for n in ('gpu', 'ane')}
-    out = hg.HeteroStep(model, eng, hg.Split(4, '0.5'), log=pytest.fail)(microbatches(4))
+    out = hg.HeteroStep(model, eng, hg.Split(4, 0.5), log=pytest.fail)(microbatches(4))
     assert out['used'] == ['ane', 'gpu'] and eng['gpu'].calls == eng['ane'].calls == 2 and not meet.broken
 
 
@@ -243,7 +243,7 @@ def test_gradients_are_token_weighted_means():
     # 3 microbatches of gradient 1 on the GPU, 1 of gradient 5 on the ANE: mean 2
     model = tiny_model()
     eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, const_grads(model, 5.0))}
-    hg.HeteroStep(model, eng, hg.Split(4, '0.25'))(microbatches(4))
+    hg.HeteroStep(model, eng, hg.Split(4, 0.25))(microbatches(4))
     assert all(torch.allclose(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
 
 
@@ -254,7 +254,7 @@ def test_auto_split_moves_toward_the_faster_engine(monkeypatch):
     model = tiny_model()
     eng = {'gpu': FakeEngine('gpu', 0.01, const_grads(model, 1.0), clock=clock),
            'ane': FakeEngine('ane', 0.03, const_grads(model, 1.0), clock=clock)}
-    split = hg.Split(8, 'auto')
+    split = hg.Split(8)
     step = hg.HeteroStep(model, eng, split)
     assert split.share_now(step.alive) == 4  # starts even
     step(microbatches(8))
@@ -272,7 +272,7 @@ def test_auto_split_remeasures_an_idle_engine():
     model = tiny_model()
     eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, const_grads(model, 1.0))}
     for ane_sec, probes in ((0.015, 1), (0.017, 0)):  # two GPU steps: 2 * 4 * 0.002 = 0.016 s
-        split = hg.Split(4, 'auto')
+        split = hg.Split(4)
         split.sec_per_microbatch, split.ane_share = {'gpu': 0.002, 'ane': ane_sec}, 0
         step = hg.HeteroStep(model, eng, split)
         calls = eng['ane'].calls
@@ -289,7 +289,7 @@ def test_auto_split_gives_the_ane_nothing_where_the_gpu_alone_is_faster():
     # at every 20th step. At 0.03 s alone (separate chips, as on a Mac) it keeps its share,
     # and only steps 10 and 110 time the GPU alone.
     for alone_s, want in ((0.02, lambda s: 1 if s % 20 == 0 else 0), (0.03, lambda s: 0 if s in (10, 110) else 1)):
-        split, given = hg.Split(4, 'auto'), []
+        split, given = hg.Split(4), []
         for s in range(1, 121):
             k = split.next_share({'gpu', 'ane'})
             given.append(k)
@@ -304,7 +304,7 @@ def test_a_hetero_step_times_itself_for_the_split():
     # runs the GPU engine alone (the ANE is not called), and both kinds of step are timed
     model = tiny_model()
     eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, const_grads(model, 1.0))}
-    step = hg.HeteroStep(model, eng, hg.Split(4, 'auto'), optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    step = hg.HeteroStep(model, eng, hg.Split(4), optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
     for s in range(1, 11):
         calls = eng['ane'].calls
         out = step.update(step(microbatches(4)))
@@ -320,7 +320,7 @@ def test_the_mean_is_exact_in_fp64_and_within_a_rounding_in_fp32():
     for dtype, tol in ((torch.float32, 2.0 ** -23), (torch.float64, 0.0)):
         model = tiny_model().to(dtype)
         before = [p.detach().clone() for p in model.parameters()]
-        step = hg.HeteroStep(model, {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0))}, hg.Split(3, '0'),
+        step = hg.HeteroStep(model, {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0))}, hg.Split(3, 0),
                              optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
         step.update(step(microbatches(3)))
         for p, q in zip(model.parameters(), before):
@@ -331,7 +331,7 @@ def test_the_mean_is_exact_in_fp64_and_within_a_rounding_in_fp32():
 def test_nonfinite_gradients_are_skipped_and_counted():
     model = tiny_model()
     eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, const_grads(model, float('inf')))}
-    step = hg.HeteroStep(model, eng, hg.Split(4, '0.5'))
+    step = hg.HeteroStep(model, eng, hg.Split(4, 0.5))
     out = step(microbatches(4))
     assert out['used'] == ['gpu'] and step.dropped['ane'] == 1
     assert eng['ane'].scaler.scale == 512.0  # halved on overflow
@@ -357,7 +357,7 @@ def test_the_update_clips_the_gradient_norm():
     for clip, moved in ((0.5, 0.5), (0.0, None), (1e6, None)):
         model = tiny_model()
         before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-        step = hg.HeteroStep(model, {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0))}, hg.Split(2, '0'),
+        step = hg.HeteroStep(model, {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0))}, hg.Split(2, 0),
                              optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
         step.update(step(microbatches(2)), grad_clip=clip)
         delta = before - torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -372,7 +372,7 @@ def test_failing_engine_leaves_training_running():
     model = tiny_model()
     eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, None, fail=True)}
     said = []
-    step = hg.HeteroStep(model, eng, hg.Split(4, '0.5'), log=said.append)
+    step = hg.HeteroStep(model, eng, hg.Split(4, 0.5), log=said.append)
     out = step(microbatches(4))  # the GPU runs its 2 microbatches, then the ANE's 2
     assert out['used'] == ['gpu'] and step.alive == {'gpu'} and out['results']['gpu'].n == 4
     assert eng['ane'].calls == 1 and eng['gpu'].calls == 4
@@ -396,7 +396,7 @@ def test_both_engines_failed(when):
         return const_grads(model, 1.0)(idx)
     eng = {'gpu': FakeEngine('gpu', 0, gpu_grads, fail=when == 'at once'), 'ane': FakeEngine('ane', 0, None, fail=True)}
     said = []
-    step = hg.HeteroStep(model, eng, hg.Split(4, '0.5'), log=said.append)
+    step = hg.HeteroStep(model, eng, hg.Split(4, 0.5), log=said.append)
     with pytest.raises(RuntimeError, match='both engines failed') as e:
         step(microbatches(4))
     cause = str(e.value.__cause__)
@@ -431,7 +431,7 @@ def test_engine_without_a_share_redoes_a_failed_step_on_this_steps_weights():
     mbs = [(torch.randint(0, 16, (1, 8)), torch.randint(0, 16, (1, 8))) for _ in range(2)]
     eng = {'gpu': FakeEngine('gpu', 0, None, fail=True),
            'ane': hg.EagerEngine(cfg, torch.device('cpu'), torch.float64, hg.LossScaler(1.0, 0, enabled=False))}
-    out = hg.HeteroStep(model, eng, hg.Split(2, '0'), log=lambda s: None)(mbs)
+    out = hg.HeteroStep(model, eng, hg.Split(2, 0), log=lambda s: None)(mbs)
     assert out['used'] == ['ane'] and out['results']['ane'].n == 2
     got = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
@@ -456,8 +456,8 @@ def test_hetero_step_equals_single_engine_step_fp64():
     cpu = torch.device('cpu')
     het = hg.HeteroStep(a, {'gpu': hg.AutogradEngine(a, cpu, torch.float64),
                             'ane': hg.EagerEngine(cfg, cpu, torch.float64, hg.LossScaler(1.0, 0, enabled=False))},
-                        hg.Split(4, '0.5'))
-    one = hg.HeteroStep(b, {'gpu': hg.AutogradEngine(b, cpu, torch.float64)}, hg.Split(4, '0'))
+                        hg.Split(4, 0.5))
+    one = hg.HeteroStep(b, {'gpu': hg.AutogradEngine(b, cpu, torch.float64)}, hg.Split(4, 0))
     out, grads = {}, {}
     for name, model, step in (('hetero', a, het), ('single', b, one)):
         out[name] = step(mbs)
@@ -557,7 +557,7 @@ def test_an_update_whose_check_fails_after_every_flag_passed_is_skipped_and_coun
             t.view(-1)[0] = 1.5e19
         return g
     eng = {n: FakeEngine(n, 0, grads) for n in ('gpu', 'ane')}
-    step = hg.HeteroStep(model, eng, hg.Split(2, '0.5'), optimizer=torch.optim.AdamW(model.parameters(), fused=fused))
+    step = hg.HeteroStep(model, eng, hg.Split(2, 0.5), optimizer=torch.optim.AdamW(model.parameters(), fused=fused))
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     out = step.update(step(microbatches(2)))
     assert out['n'] == 0 and out['used'] == [] and math.isnan(out['loss'])

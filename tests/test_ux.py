@@ -107,9 +107,10 @@ def test_resume_takes_the_runs_own_settings(data_dir, tmp_path, capsys):
     said = capsys.readouterr().out
     assert f"--resume: continuing the run in {tmp_path / 'r'} with its own settings; given here instead: " \
            "--max_iters 6 (was 4)" in said
-    assert (cfg.batch_size, cfg.gradient_accumulation_steps, cfg.n_layer, cfg.n_embd, cfg.block_size) == (2, 2, 1, 16, 16)
-    assert (cfg.mode, cfg.ane_fraction) == ('hetero', '0.5')
-    assert model.config.n_layer == 1 and helpers.rows(tmp_path / 'r')[-1]['step'] == 6
+    c, last = model.config, helpers.rows(tmp_path / 'r')[-1]
+    assert (c.n_layer, c.n_embd, c.block_size, last['step'], last['mode']) == (1, 16, 16, 6, 'hetero')
+    # its 2 microbatches of 2 sequences of 16 tokens a step, 1 of them the ANE's (--ane_fraction 0.5)
+    assert (last['tokens'], last['microbatches'], last['ane_microbatches']) == (6 * 2 * 2 * 16, 2, 1)
     assert 'no GPU: small model' not in said  # the machine's defaults did not replace the run's
     assert 'replaces the checkpoint' not in said  # a setting restored is not a flag given: the split goes on
     cfg, given = hg.parse_args(bare + ['--n_layer', '2'])
@@ -164,11 +165,11 @@ def test_the_check_exports_where_the_trainer_reads(monkeypatch, flags):
     for check in ('check_mps', 'check_coreml', 'check_ane_alignment'):
         monkeypatch.setattr(hg.settings, check, lambda *a, **k: None)
     cfg, given = hg.parse_args(flags)
-    hg.setup(cfg, given, log=lambda s: None)
+    cfg, run = hg.setup(cfg, given, log=lambda s: None)
     monkeypatch.setattr(hg.programs, 'ensure', lambda path, *a: path)
     monkeypatch.setattr(hg, 'ON_MAC', True)
-    spec = hg.ane_spec(cfg, torch.float16)
-    assert (seen['out'], seen['B'], seen['T'], seen['gpu_batch']) == (spec['programs'], spec['B'], spec['T'], cfg.batch_size)
+    spec = hg.ane_spec(cfg, run)
+    assert (seen['out'], seen['B'], seen['T'], seen['gpu_batch']) == (spec['programs'], run.ane_batch, spec['T'], cfg.batch_size)
     assert seen['cfg'] == hg.model_config(cfg)
     assert seen['run_tokens'] == cfg.max_iters * cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
 

@@ -14,6 +14,7 @@ import export_ane
 import hetero_gpt as hg
 import helpers
 import worker_faults
+from plumbing import settings
 from plumbing import worker as plumbing_worker
 from tools import gradcheck
 
@@ -115,7 +116,7 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     w = worker(make=getattr(worker_faults, fault), fault_call=3)
     said_log = []
     engines = {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32), 'ane': w}
-    step = hg.HeteroStep(model, engines, hg.Split(4, '0.5'), log=said_log.append,
+    step = hg.HeteroStep(model, engines, hg.Split(4, 0.5), log=said_log.append,
                          optimizer=torch.optim.AdamW(model.parameters()))
     mb = batches(2 * 4)
     assert step(mb[:4])['used'] == ['ane', 'gpu']
@@ -180,7 +181,9 @@ def test_the_worker_runs_exported_programs(exported):
     gcfg = helpers.PROGRAMS['cfg']
     path = exported(**helpers.PROGRAMS)
     cfg = hg.Config(**vars(gcfg), batch_size=4, ane_batch_size=2, ane_evaluator='numpy', ane_programs=path)
-    spec = hg.ane_spec(cfg, torch.float16, log=pytest.fail) | dict(threads=1)  # found, not exported again
+    cpu = torch.device('cpu')
+    run = settings.Run('ane', cpu, torch.float32, cpu, torch.float16, True, True, 2)
+    spec = hg.ane_spec(cfg, run, log=pytest.fail) | dict(threads=1)  # found, not exported again
     before = sys.getswitchinterval()  # (5 ms; or short already if the module's worker is up)
     w = plumbing_worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(256.0, 0), log=lambda s: None,
                                      load_timeout=120)
@@ -212,8 +215,8 @@ def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
     # eager derivation in fp16), as the Mac's structure; it is stopped at the end
     cfg, given = hg.parse_args(['--mode', 'hetero', '--device', 'cpu', '--n_layer', '1', '--n_head', '2',
                                 '--n_embd', '16', '--block_size', '8', '--vocab_size', '50', '--out_dir', str(tmp_path)])
-    hg.setup(cfg, given, log=lambda s: None)
-    model, _, engines, step, _ = hg.build_run(cfg, torch.device('cpu'), torch.float32, 'hetero', log=lambda s: None)
+    cfg, run = hg.setup(cfg, given, log=lambda s: None)
+    model, _, engines, step, _ = hg.build_run(cfg, run, log=lambda s: None)
     try:
         assert isinstance(engines['ane'], plumbing_worker.WorkerEngine) and 'float16' in engines['ane'].label
         assert engines['ane'].scaler.scale == 256.0 and engines['ane'].proc.is_alive()

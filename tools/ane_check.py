@@ -506,7 +506,7 @@ def projection(ctx):
     run of these settings takes against this machine's."""
     cfg = hg.Config(**ctx['cfg'], batch_size=ctx['gpu_batch'], ane_batch_size=ctx['B'])
     mem = memory.memory_estimate(cfg, 'hetero', torch.device('mps' if hg.ON_MAC else 'cpu'), torch.float32,
-                                 hg.model_sizes(cfg))  # the Mac's run
+                                 hg.model_sizes(cfg), ctx['B'])  # the Mac's run
     out = dict(memory_gib=round(mem['total'] / 2**30, 2), machine_gib=round(memory.total_memory() / 2**30, 1),
                memory=mem)
     times = (ctx.get('results') or {}).get('concurrency')
@@ -591,7 +591,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     out |= {f'exchange_{k}': float(np.median(v)) for k, v in exchanges.items() if k != 'warm-up'}
     # the memory each side held, beside the estimate for a run of these sizes (to calibrate it)
     run = hg.Config(**dataclasses.asdict(cfg), batch_size=gpu_batch, ane_batch_size=ane_batch)
-    mem = memory.measured(device, w, memory.memory_estimate(run, 'hetero', device, dtype, hg.model_sizes(run)))
+    mem = memory.measured(device, w, memory.memory_estimate(run, 'hetero', device, dtype, hg.model_sizes(run), ane_batch))
     return out | power | dict(gpu_label=gpu.label, ane_label=w.label, memory=mem)
 
 

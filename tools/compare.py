@@ -188,7 +188,7 @@ def run_one(flags, mode, seed, out_dir, drop_checkpoint=False):
     defaults = ['--quiet', '--sample_tokens', '0', '--ane_programs', os.path.join(out_dir, 'ane_programs')]
     cfg, given = hg.parse_args(defaults + flags + ['--mode', mode, '--seed', str(seed), '--out_dir', run_dir,
                                                    '--eval_iters', '0'])
-    hg.setup(cfg, given, log=lambda s: None)  # fills in the CPU defaults, so max_iters is final
+    cfg, _ = hg.setup(cfg, given, log=lambda s: None)  # fills in the CPU defaults, so max_iters is final
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in UNCHECKED}
     metrics, ckpt = os.path.join(run_dir, 'metrics.jsonl'), os.path.join(run_dir, 'ckpt.pt')
     saved_path, saved = os.path.join(run_dir, 'compare_config.json'), None
