@@ -143,7 +143,7 @@ WITHOUT = """
 import importlib.util, json, bench, hetero_gpt as hg, prepare_data
 assert importlib.util.find_spec('tools.fast_standin') is None
 prepare_data.prepare('tiny', data_dir='data', input_path='tiny.txt')
-tiny = ['--dataset', 'tiny', '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16',
+tiny = ['--dataset', 'tiny', '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16', '--device', 'cpu',
         '--max_iters', '3', '--eval_iters', '1', '--sample_tokens', '0', '--quiet', '--ane_worker', 'false']
 for mode in ('gpu', 'ane', 'hetero'):  # (hetero: half each, not a split that timings decide)
     hg.main(tiny + ['--mode', mode, '--out_dir', 'out_' + mode] + (['--ane_fraction', '0.5'] if mode == 'hetero' else []))

@@ -31,7 +31,7 @@ from plumbing import memory  # defines: memory_estimate, total_memory, measured
 from plumbing.energy import powermetrics_readable  # defines: powermetrics_readable
 from plumbing import progress  # defines: Ticker, clock, children_ignore_ctrl_c (what a person sees)
 from plumbing import programs as coreml_programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
-from plumbing import settings  # defines: one_line, check_coreml, import_coremltools
+from plumbing import settings  # defines: Run, one_line, check_coreml, import_coremltools
 from plumbing import worker  # defines: WorkerEngine, exit_text
 from tools import gradcheck  # defines: compare, failures, by_layer, TOLERANCE
 
@@ -542,10 +542,12 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     torch.manual_seed(0)
     model = hg.GPT(cfg).to(device)
     gpu = hg.AutogradEngine(model, device, dtype)
-    run = hg.Config(**dataclasses.asdict(cfg), batch_size=ane_microbatch, ane_batch_size=ane_batch,
-                    ane_programs=program_dir or '')
+    ane_cfg = hg.Config(**dataclasses.asdict(cfg), batch_size=ane_microbatch, ane_batch_size=ane_batch,
+                        ane_programs=program_dir or '')
+    # the worker: Core ML's programs on a Mac, else the eager derivation (settings.check's choice)
+    run = settings.Run('hetero', device, dtype, torch.device('cpu'), getattr(torch, ane_dtype), True, hg.ON_MAC, ane_batch)
     cores = worker.share_cores(gpu_on_cpu=device.type == 'cpu')  # (this process's threads, as training sets them)
-    spec = hg.ane_spec(run, getattr(torch, ane_dtype)) | dict(threads=threads or cores)
+    spec = hg.ane_spec(ane_cfg, run) | dict(threads=threads or cores)
     w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
     rand = lambda b: tuple(torch.randint(0, cfg.vocab_size, (b, cfg.block_size)) for _ in range(2))
     gb, ab = rand(gpu_batch), rand(ane_microbatch)
