@@ -1,4 +1,4 @@
-"""Where does our GPU step stand against nanoGPT's, in one process? Four loops take turns, each
+"""Where does our GPU step stand against nanoGPT's, in one process? Five loops take turns, each
 timed as nanoGPT's bench.py times its loop (mean ms of `--steps` steps, the host reading
 loss.item() once a step), all at bench.py's config: GPT-2 124M, bias=False, vocabulary 50304,
 batch 12 x 1024, fused AdamW:
@@ -6,8 +6,9 @@ batch 12 x 1024, fused AdamW:
   ours, plain     our model in the same plain loop;
   ours, step      the same model through HeteroStep, as hetero_gpt.py trains (batch on the GPU,
                   as bench.py's);
-  ours, host batch  the same, the batch on the host (as hetero_gpt.py's get_batch makes it).
-The last two less the plain loop is what the step's machinery costs. --kernels adds the top CUDA
+  ours, host batch  the same, the batch on the host (as hetero_gpt.py's get_batch makes it);
+  ours, no wait   tools/fast_standin.NoWaitStep: the flag read after the update is queued.
+The last three less the plain loop is what the step's machinery costs. --kernels adds the top CUDA
 kernels of one forward+backward of each model, --gaps where each loop leaves the GPU idle
 (torch.profiler's kernel timeline over 5 steps; the profiler slows the host a little).
 
@@ -23,12 +24,13 @@ import time
 import torch
 
 import hetero_gpt as hg
+from tools import fast_standin
 
 p = argparse.ArgumentParser()
 p.add_argument('--nanogpt', default='.bench/nanoGPT', help='a checkout of karpathy/nanoGPT (its model.py)')
 p.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
 p.add_argument('--compile', action='store_true')
-p.add_argument('--rounds', type=int, default=5, help='turns of the four loops; a cell is the median')
+p.add_argument('--rounds', type=int, default=5, help='turns of the five loops; a cell is the median')
 p.add_argument('--steps', type=int, default=20, help='timed steps a turn (after 3 warm-up steps)')
 p.add_argument('--kernels', action='store_true')
 p.add_argument('--gaps', action='store_true')
@@ -51,6 +53,7 @@ ours = hg.GPT(hg.model_config(cfg)).to(dev)
 opt_o = hg.make_optimizer(ours, cfg, dev)
 engine = hg.AutogradEngine(ours, dev, dtype, compile=a.compile)
 step = hg.HeteroStep(ours, {'gpu': engine}, hg.Split(1, 0.0), optimizer=opt_o)
+nowait = fast_standin.NoWaitStep(ours, {'gpu': engine}, hg.Split(1, 0.0), optimizer=opt_o)
 fwd_t = torch.compile(theirs) if a.compile else theirs
 x, y = (torch.randint(50304, (12, 1024), device=dev) for _ in range(2))
 xh, yh = x.cpu(), y.cpu()
@@ -69,7 +72,8 @@ def plain(fwd, opt):  # bench.py's loop body
 
 loops = {'nanoGPT': plain(fwd_t, opt_t), 'ours, plain': plain(engine.forward, opt_o),
          'ours, step': lambda: step.update(step([(x, y)]))['loss'],
-         'ours, host batch': lambda: step.update(step([(xh, yh)]))['loss']}
+         'ours, host batch': lambda: step.update(step([(xh, yh)]))['loss'],
+         'ours, no wait': lambda: nowait.update(nowait([(x, y)]))['loss']}
 ms = {k: [] for k in loops}
 for r in range(a.rounds):  # in turns, so that a drift of the GPU's clocks touches all alike
     for name, fn in loops.items():
