@@ -269,8 +269,9 @@ def test_the_self_check_without_sudo_skips_energy_at_once_and_passes(tmp_path):
     assert r.returncode == 1 and 'FAILED: coreml' in r.stdout, r.stdout[-2000:]
     for piece, rec in res_of(doc)['coreml'].items():
         assert rec['load_s'] >= 2 and rec['placement']['ane_share_of_ops'] == 0.0, (piece, rec)
-        # both on the CPU: the same work, timed 3 calls each (wall time: within 2x)
-        assert 0.5 < rec['CPU_AND_NE_ms'] / rec['CPU_ONLY_ms'] < 2, (piece, rec)
+        # both on the CPU, 3x slower than the ANE here: not the ANE's third of CPU_ONLY's time
+        # (wall time of 3 calls each, under whatever load: a lower bound only)
+        assert rec['CPU_AND_NE_ms'] / rec['CPU_ONLY_ms'] > 0.5, (piece, rec)
 
 
 def res_of(doc):
