@@ -94,13 +94,16 @@ class PowermetricsMeter:
             raise OSError(f"powermetrics gave no samples ({PowermetricsMeter.refused})")
         # -b 1: line-buffered, or a pipe would hold many samples back
         self.err = tempfile.TemporaryFile('w+')  # (a pipe nobody reads could fill and stop it)
-        # stdin: not the terminal, which sudo's pty would relay to powermetrics
+        # stdin: not the terminal, which sudo's pty would relay to powermetrics. A session of its
+        # own: sudo forwards no signal sent from the group it started in (sudo's src/exec_nopty.c,
+        # signal_cb_nopty), so close()'s SIGTERM would not reach powermetrics from ours
         self.proc = subprocess.Popen(POWERMETRICS + ['-i', str(interval_ms), '-b', '1'], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, start_new_session=True)
         self.name = "powermetrics (CPU+GPU+ANE)"
         self.parts = dict(CPU=0.0, GPU=0.0, ANE=0.0)  # joules of each so far
         first = threading.Event()
-        threading.Thread(target=read_samples, args=(self.proc.stdout, self.parts, first.set), daemon=True).start()
+        self.reader = threading.Thread(target=read_samples, args=(self.proc.stdout, self.parts, first.set), daemon=True)
+        self.reader.start()
         deadline = time.monotonic() + wait_s
         while not first.wait(0.1):
             if self.proc.poll() is not None:
@@ -126,6 +129,7 @@ class PowermetricsMeter:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.reader.join(2)  # to the pipe's end, before it is closed under the reader
         self.proc.stdout.close()
         self.err.close()
 
