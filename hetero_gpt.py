@@ -16,9 +16,9 @@ Off a Mac the "ANE" engine is the same derivation run eagerly by PyTorch in fp16
 ANE's arithmetic without the ANE. Everything macOS-only sits behind `coreml_predict_fn`.
 
 Sections, in the order data flows: 1 config, 2 model, 3 the hand-derived step and its
-PyTorch backend, 4 the Core ML programs and their engine, 5 the PyTorch engines, 6 the
-concurrent step, 7 the training loop. plumbing/ holds what this file uses (it never imports
-this file); tools/ holds what extends it.
+PyTorch backend, 4 the Core ML programs, 5 the engines, 6 the concurrent step, 7 the
+training loop. plumbing/ holds what this file uses (it never imports this file); tools/
+holds what extends it.
 """
 import contextlib
 import dataclasses
@@ -42,20 +42,20 @@ from plumbing import distributed  # defines: join_ranks, world, rank_share, rank
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit), measured
 from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
-from plumbing import progress  # defines: Eta, first_step, show, header, no_bar, stop_run, ctrl_c_exits (what a person sees)
+from plumbing import progress  # defines: Eta, first_step, show, header, no_bar, stop_run, ctrl_c_exits
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, check_shapes, coreml_predict, peaks
 from plumbing import settings  # defines: parse_args, check, import_coremltools, one_line, machine_defaults
-from plumbing import worker  # defines: WorkerEngine (the ANE engine in a process of its own), share_cores
+from plumbing import worker  # defines: WorkerEngine (the ANE engine in its own process), share_cores
 from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # defines: ANE_MAX_DIM, ANE_OVERFLOW (the ANE's limits)
-from plumbing.settings import ON_MAC, UserError, check_batch, setting  # defines: ON_MAC (macOS?), UserError (a user's error), check_batch, setting (a flag)
+from plumbing.settings import ON_MAC, UserError, check_batch, setting  # defines: ON_MAC, UserError, check_batch, setting
 
 # -----------------------------------------------------------------------------
 # 1. Configuration: every setting, its default, and one line on what it does.
 # `python hetero_gpt.py --name value` overrides any of them; --help lists them.
-# The model's fields are GPTConfig's; Config adds the run's. Both are flags.
+# GPTConfig holds the model's fields, Config adds the run's; all are flags.
 
 @dataclass
-class GPTConfig:  # defaults: GPT-2 124M
+class GPTConfig:  # defaults are GPT-2 124M's
     block_size: int = setting(1024, "context length in tokens")
     vocab_size: int = setting(50257, "GPT-2 BPE vocabulary")
     n_layer: int = setting(12, "transformer blocks")
@@ -119,21 +119,21 @@ class Config(GPTConfig):
     dist_timeout: float = setting(600.0, "under torchrun, seconds a rank waits for the others before it stops the run")
 
 
-# Without an accelerator, for settings not given: progress within a minute on 2 cores.
+# without an accelerator, a model that learns within a minute on 2 cores
 CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8,
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
-# On a Mac: a 30M GPT-2 at its best within an hour on a base chip; with --preset gpt2, 124M in 16 GB.
+# on a Mac, a 30M GPT-2 at its best within an hour on a base chip
 MAC_DEFAULTS = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8, gradient_accumulation_steps=4,
                     max_iters=600, learning_rate=1e-3, min_lr=1e-4, warmup_iters=50, eval_interval=50)
-MAC_GPT2 = dict(batch_size=2, gradient_accumulation_steps=16)
+MAC_GPT2 = dict(batch_size=2, gradient_accumulation_steps=16)  # --preset gpt2 fits 124M in 16 GB
 
 
 # -----------------------------------------------------------------------------
 # 2. The model: GPT-2 as published, in nanoGPT's layout (same state-dict keys).
-# Learned positions, pre-LayerNorm with bias, tanh-GELU MLP, tied embedding/LM head.
-# bias=False drops every bias (linear layers and LayerNorms), as nanoGPT's option does.
-# No dropout: the hand-derived backward below does not model it.
+# Learned positions, pre-LayerNorm with bias, tanh-GELU MLP, tied embedding and LM head.
+# bias=False drops every bias, in linear layers and LayerNorms, as nanoGPT's option does.
+# No dropout, as the hand-derived backward below does not model it.
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
@@ -216,7 +216,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=200, vocab=None):
-        for _ in range(max_new_tokens):  # vocab: the tokenizer's, where the model's is padded
+        for _ in range(max_new_tokens):  # vocab is the tokenizer's size, where the model's is padded
             logits, _ = self(idx[:, -self.config.block_size:])
             logits = logits[:, -1, :vocab] / temperature
             v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
@@ -233,32 +233,31 @@ def gpt_param_shapes(cfg):
 # -----------------------------------------------------------------------------
 # 3. The hand-derived training step.
 #
-# Written ONCE, as the methods of Derivation, over primitive ops each backend provides:
-# self.matmul (optional transposes), + - * / with tensors or floats, exp log tanh rsqrt,
-# sum mean max over one axis, maximum, softmax, reshape, transpose, causal_mask, pad_mask.
-# TorchOps (below) runs them eagerly; MILOps (section 4) records them as Core ML programs.
-# Each layer is a forward/backward pair: the forward returns (output, cache), the backward
-# takes that cache, so a faster backend overrides a whole pair, cache and all.
-# Every op here runs on the ANE: no gather, scatter, one_hot, concat or split.
-# The host does the sparse work around the dense step (host_weights, host_batch, host_grads).
+# Written once, as Derivation's methods, over primitive ops each backend provides.
+#   matmul, + - * /, exp log tanh rsqrt, maximum, softmax, reshape, transpose,
+#   sum mean max over one axis, causal_mask, pad_mask
+# TorchOps runs them eagerly, MILOps records them as a Core ML program.
+# Each layer is a forward/backward pair; the backward takes the forward's cache.
+# A faster backend overrides a whole pair, cache and all.
+# Every op runs on the ANE; none gathers, scatters, concatenates or splits.
+# host_weights, host_batch and host_grads do the sparse work around it.
 #
-# Shapes: B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H.
+# B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H
 # Rows are (N, C) matrices; attention runs per head on (B, H, T, D).
-# Not Apple's (B, C, 1, S) with 1x1 convs: the weights are program inputs, and a conv with
-# a runtime weight compiles only at batch 1 (coreml_and_ane.md section 3).
+# Not Apple's (B, C, 1, S) layout of 1x1 convs, as weights are program inputs.
+# A conv with a runtime weight compiles only at batch 1 (coreml_and_ane.md section 3).
 #
-# The programs' inputs and outputs are named (Core ML's are), by these names:
-#   h{l}_{k}        block l's weight k (BLOCK_PARAMS)   x0       the embeddings, wte[idx] + wpe
+# Core ML names every program input and output, by this scheme.
+#   h{l}_{k}        block l's weight k in BLOCK_PARAMS  x0       the embeddings, wte[idx] + wpe
 #   wte_{j}         vocabulary chunk j of the LM head   wte_tgt  the target rows, wte[targets]
 #   lnf_w, lnf_b    the final layernorm                 loss_scale
-#   x, dy, y        a piece's input, its gradient, its output (per block)
+#   x, dy, y        a block piece's input, its gradient, its output
 #   d_{name}        the gradient of input name          peaks    matmul results' largest |value|s
 
 GELU_K = math.sqrt(2.0 / math.pi)
 
-# the dense step's weights by name, from nanoGPT's: (name under transformer.h.{l}., which
-# third of c_attn's rows). The host slices the (3C, C) c_attn into q/k/v so the program
-# needs no split (forward) or concat (backward).
+# weight name -> (nanoGPT's name under transformer.h.{l}, third of c_attn's rows)
+# The host slices the (3C, C) c_attn in thirds, so no split or concat.
 BLOCK_PARAMS = {
     'ln1_w': ('ln_1.weight', None), 'ln1_b': ('ln_1.bias', None),
     'wq': ('attn.c_attn.weight', 0), 'wk': ('attn.c_attn.weight', 1), 'wv': ('attn.c_attn.weight', 2),
@@ -272,10 +271,10 @@ BLOCK_PARAMS = {
 
 class Derivation:
     """GPT-2's forward, loss and backward, each layer a pair of methods over self's ops."""
-    recompute_attention = False  # True: the backward remakes P instead of caching it
+    recompute_attention = False  # True remakes P in the backward instead of caching it
 
-    # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin) as in nn.Linear
-    def linear_forward(self, x, w, b):  # b None: no bias (bias=False)
+    # ---- linear layer y = x W^T + b, x (N, Cin), W (Cout, Cin)
+    def linear_forward(self, x, w, b):  # b is None under bias=False
         y = self.matmul(x, w, tb=True)
         return y if b is None else y + b
 
@@ -283,7 +282,7 @@ class Derivation:
         # dL/dx = dy W,  dL/dW = dy^T x,  dL/db = sum over rows of dy
         return self.matmul(dy, w), self.matmul(dy, x, ta=True), self.sum(dy, 0, keep=False)
 
-    # ---- layernorm over the last axis: y = xhat * w + b, xhat = (x - mean) * rstd
+    # ---- layernorm over the last axis, y = xhat * w + b, xhat = (x - mean) * rstd
     def layernorm_forward(self, x, w, b, eps=1e-5):
         xc = x - self.mean(x, -1)
         rstd = self.rsqrt(self.mean(xc * xc, -1) + eps)  # 1/sqrt(var + eps)
@@ -291,20 +290,20 @@ class Derivation:
         return (xhat * w if b is None else xhat * w + b), (xhat, rstd)
 
     def layernorm_backward(self, dy, w, cache):
-        # with g = dy*w: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+        # g = dy*w, dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
         # dw = sum over rows of dy*xhat, db = sum over rows of dy
         xhat, rstd = cache
         g = dy * w
         dx = (g - self.mean(g, -1) - xhat * self.mean(g * xhat, -1)) * rstd
         return dx, self.sum(dy * xhat, 0, keep=False), self.sum(dy, 0, keep=False)
 
-    # ---- GELU, tanh form written out: the ANE's built-in gelu is a table approximation
-    # (coreml_and_ane.md section 2). y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3)
+    # ---- GELU, tanh form y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3)
+    # written out, as the ANE's gelu is a coarse table (coreml_and_ane.md section 2)
     def gelu_forward(self, x):
         t = self.tanh((x + 0.044715 * x * x * x) * GELU_K)
         return self.gelu_output((x, t)), (x, t)
 
-    def gelu_output(self, cache):  # y again from the cache, one multiply-add: y is not kept
+    def gelu_output(self, cache):  # remakes y in one multiply-add, so y is not kept
         x, t = cache
         return 0.5 * x * (1.0 + t)
 
@@ -313,7 +312,7 @@ class Derivation:
         x, t = cache
         return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3 * 0.044715 * x * x))
 
-    # ---- causal self-attention on one block's q, k, v (each (N, C))
+    # ---- causal self-attention, q, k, v each (N, C)
     def heads(self, x, B, T, H):  # (N, C) -> (B, H, T, D)
         return self.transpose(self.reshape(x, (B, T, H, -1)), (0, 2, 1, 3))
 
@@ -321,7 +320,7 @@ class Derivation:
         return self.reshape(self.transpose(x, (0, 2, 1, 3)), (B * T, -1))
 
     def attention_probs(self, q, k, T):
-        # P = softmax(q k^T / sqrt(D) + mask), per head: (B, H, T, T)
+        # P = softmax(q k^T / sqrt(D) + mask), (B, H, T, T)
         return self.softmax(self.matmul(q, k, tb=True) * (1.0 / math.sqrt(q.shape[-1])) + self.causal_mask(T), -1)
 
     def attention_forward(self, q, k, v, B, T, H):
@@ -332,8 +331,8 @@ class Derivation:
         return y, (q, k, v, None if self.recompute_attention else att)
 
     def attention_backward(self, dy, cache, B, T, H):
-        # dv = P^T dy, dP = dy v^T, dS = P * (dP - rowsum(dP * P)) (softmax backward),
-        # dq = dS k * scale, dk = dS^T q * scale. The mask is a constant: no gradient.
+        # dv = P^T dy, dP = dy v^T, dS = P * (dP - rowsum(dP * P))
+        # dq = dS k * scale, dk = dS^T q * scale; the constant mask has no gradient
         dy = self.heads(dy, B, T, H)
         q, k, v, att = cache
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -341,11 +340,11 @@ class Derivation:
             att = self.attention_probs(q, k, T)
         dv = self.matmul(att, dy, ta=True)
         datt = self.matmul(dy, v, tb=True)
-        ds = att * (datt - self.sum(datt * att, -1)) * scale
+        ds = att * (datt - self.sum(datt * att, -1)) * scale  # softmax backward
         dq, dk = self.matmul(ds, k), self.matmul(ds, q, ta=True)
         return self.merge_heads(dq, B, T), self.merge_heads(dk, B, T), self.merge_heads(dv, B, T)
 
-    # ---- the QKV projection: three (C, C) matmuls (the host sliced c_attn; no split)
+    # ---- the QKV projection, three (C, C) matmuls on the sliced c_attn
     def qkv_forward(self, a, w):
         return tuple(self.linear_forward(a, w['w' + c], w.get('b' + c)) for c in 'qkv'), a
 
@@ -356,8 +355,8 @@ class Derivation:
             da = dac if da is None else da + dac
         return da, d
 
-    # ---- one transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.))
-    # w: the block's weights by BLOCK_PARAMS name; a bias missing (bias=False) is None
+    # ---- one transformer block, x + attn(ln_1(x)), then + mlp(ln_2(.))
+    # w maps BLOCK_PARAMS names to weights; bias=False leaves the biases out
     def block_forward(self, x, w, B, T, H):
         a, ln1 = self.layernorm_forward(x, w['ln1_w'], w.get('ln1_b'))
         (q, k, v), qkv = self.qkv_forward(a, w)
@@ -367,7 +366,7 @@ class Derivation:
         h = self.linear_forward(m, w['wfc'], w.get('bfc'))
         g, gelu = self.gelu_forward(h)
         x = x + self.linear_forward(g, w['wpr'], w.get('bpr'))
-        return x, (ln1, qkv, y, attn, m, ln2, gelu)  # not g: gelu_output remakes it
+        return x, (ln1, qkv, y, attn, m, ln2, gelu)  # no g, as gelu_output remakes it
 
     def block_backward(self, dx, w, cache, B, T, H):
         # the forward's calls in reverse; a residual add passes dx through unchanged
@@ -384,19 +383,19 @@ class Derivation:
         dax, d['ln1_w'], d['ln1_b'] = self.layernorm_backward(da, w['ln1_w'], ln1)
         return dx + dax, {k: v for k, v in (d | dqkv).items() if k in w}  # no gradient for an absent bias
 
-    # ---- log-sum-exp over the last axis: lse = m + log sum_v exp(z_v - m), m = max_v z_v
-    # (the row max first: exp never overflows, and the largest term is exp(0) = 1)
+    # ---- log-sum-exp over the last axis, lse = m + log sum_v exp(z_v - m), m = max_v z_v
+    # the largest term is exp(0) = 1, so exp never overflows
     def logsumexp_forward(self, z):
         m = self.max(z, -1)
         return m + self.log(self.sum(self.exp(z - m), -1))
 
-    # ---- tied LM head + mean cross-entropy, over vocabulary chunks of at most 16384 rows.
-    # loss = mean_n (lse_n - z_n[target_n]), lse_n = log sum_v exp(z_nv), z = x W^T.
-    # The vocabulary (50257) is wider than the ANE's 16384 limit, so W arrives in chunks:
-    # each chunk's own log-sum-exp lse_c, then lse = the log-sum-exp of the chunks' lse_c.
-    # The target logit is x_n . W[target_n]: the host gathers those rows (w_tgt), so the
-    # program has no gather. The last chunk ends in `pad` zero rows (vocab_chunks): their
-    # logits get a -1e4 bias, so exp() makes them exactly 0 in the softmax and every gradient.
+    # ---- tied LM head + mean cross-entropy
+    # loss = mean_n (lse_n - z_n[target_n]), lse_n = log sum_v exp(z_nv), z = x W^T
+    # 50257 rows exceed the ANE's limit of 16384, so W arrives in chunks.
+    # lse = the log-sum-exp of the chunks' own log-sum-exps lse_c
+    # The target logit is x_n . W[target_n]; the host gathers those rows as w_tgt.
+    # The last chunk's `pad` zero rows get a -1e4 logit bias,
+    # so exp() makes them 0 in the softmax and every gradient.
     def lm_head_forward(self, x, chunks, w_tgt, N, pad=0):
         Vc = chunks[-1].shape[0]
         biases = [None] * (len(chunks) - 1) + [self.pad_mask(Vc, Vc - pad) if pad else None]
@@ -410,16 +409,16 @@ class Derivation:
             sc = self.exp(lc - m)
             s = sc if s is None else s + sc
         lse = m + self.log(s)  # (N, 1)
-        # (lse - z_target) / N before the sum: a sum of N losses of ~10 overflows fp16
+        # (lse - z_target) / N before the sum, as N losses of ~10 overflow fp16
         loss = self.sum((lse - self.sum(x * w_tgt, -1)) * (1.0 / N), 0)  # (1, 1)
         return loss, (x, z, lse_c, lse)
 
     def lm_head_backward(self, chunks, w_tgt, cache, dloss):
-        # dloss = loss_scale / N is dL/dloss_n; dz = dloss * (softmax(z) - onehot(target)).
-        # Per chunk c: exp(z - lse) = softmax_c(z) * r, with r = dloss * exp(lse_c - lse) per row.
-        # dW_c = softmax_c^T (r x), dx_c = r (softmax_c W_c).
-        # r scales the (N, C) operands, not the (N, Vc) matrix: 16x fewer numbers.
-        # The onehot part touches only the target rows: -dloss W[target] into dx, -dloss x into them.
+        # dloss = loss_scale / N is dL/dloss_n; dz = dloss * (softmax(z) - onehot(target))
+        # per chunk c, exp(z - lse) = softmax_c(z) * r, with r = dloss * exp(lse_c - lse) per row
+        # dW_c = softmax_c^T (r x), dx_c = r (softmax_c W_c)
+        # r scales the (N, C) operands, not the (N, Vc) matrix, 16x fewer numbers
+        # onehot adds -dloss W[target] to dx and -dloss x to the target rows
         x, z, lse_c, lse = cache
         dx, dws = None, []
         for w, zc, lc in zip(chunks, z, lse_c):
@@ -429,10 +428,10 @@ class Derivation:
             dx = dxc if dx is None else dx + dxc
         return dx - w_tgt * dloss, dws, -x * dloss
 
-    # ---- the final layernorm, the tied LM head and the loss, forward and backward
+    # ---- final layernorm, LM head and loss, forward and backward
     def head_forward_backward(self, cfg, B, T, inp):
-        """inp: x (N, C), the last block's output; lnf_w, lnf_b; the vocabulary chunks wte_j;
-        the target rows wte_tgt; loss_scale. Returns (loss, grads), grads by those names."""
+        """(loss, grads) from inp: x (N, C), the last block's output; lnf_w, lnf_b; the vocabulary
+        chunks wte_j; the target rows wte_tgt; loss_scale. grads go by the same names."""
         rows, spans = vocab_chunks(cfg.vocab_size)
         chunks = [inp[f'wte_{j}'] for j in range(len(spans))]
         xf, lnf = self.layernorm_forward(inp['x'], inp['lnf_w'], inp.get('lnf_b'))
@@ -448,10 +447,9 @@ class Derivation:
 
     # ---- the whole dense step
     def dense_forward_backward(self, cfg, B, T, inp):
-        """Forward, loss and backward of GPT-2 between the embedding lookup and the target
-        pick. inp: dense inputs by name (dense_input_shapes). Returns (loss, grads), grads
-        by the same names; loss is the true mean loss, grads are multiplied by
-        inp['loss_scale'] (so fp16 weight gradients do not flush to zero)."""
+        """GPT-2's forward, loss and backward between the embedding lookup and the target pick,
+        from dense inputs by name (dense_input_shapes). Returns the true mean loss and grads by the
+        same names, times inp['loss_scale'], so that fp16 weight gradients do not flush to zero."""
         H, L = cfg.n_head, cfg.n_layer
         blocks = [{k: inp[f'h{l}_{k}'] for k in BLOCK_PARAMS if f'h{l}_{k}' in inp} for l in range(L)]
         x, caches = inp['x0'], []
@@ -459,7 +457,7 @@ class Derivation:
             x, c = self.block_forward(x, blocks[l], B, T, H)
             caches.append(c)
         loss, grads = self.head_forward_backward(cfg, B, T, inp | {'x': x})
-        dx = grads.pop('x')  # ---- backward through the blocks: their calls in reverse
+        dx = grads.pop('x')  # ---- backward through the blocks, in reverse
         for l in reversed(range(L)):
             dx, d = self.block_backward(dx, blocks[l], caches[l], B, T, H)
             grads.update({f'h{l}_{k}': v for k, v in d.items()})
@@ -469,7 +467,7 @@ class Derivation:
 
 class TorchOps(Derivation):
     """PyTorch backend of the derivation: eager, no autograd, any device and dtype."""
-    # eager PyTorch keeps every cache until the backward; (B, H, T, T) is the largest
+    # eager caches live until the backward, and (B, H, T, T) is the largest
     recompute_attention = True
 
     def __init__(self, dtype, device):
@@ -478,8 +476,7 @@ class TorchOps(Derivation):
     def matmul(self, a, b, ta=False, tb=False):
         a, b = (a.mT if ta else a), (b.mT if tb else b)
         if self.dtype == torch.float16 and self.device.type == 'cpu':
-            # CPUs have no fast fp16 GEMM. fp16 in, fp32 accumulation, fp16 out:
-            # what the ANE and tensor cores compute, so the numerics are unchanged
+            # no fast fp16 GEMM on CPUs; fp32 sums, as on the ANE and tensor cores
             return (a.float() @ b.float()).half()
         return a @ b
 
@@ -497,11 +494,11 @@ class TorchOps(Derivation):
     def transpose(self, x, perm): return x.permute(perm)
 
     def causal_mask(self, T):
-        # additive mask: 0 on and below the diagonal, -1e4 above. Not -inf: -inf - -inf = nan,
-        # and exp(-1e4) is 0 in any dtype (coreml_and_ane.md section 2)
+        # additive mask, 0 on and below the diagonal, -1e4 above
+        # not -inf, as -inf - -inf = nan; exp(-1e4) is 0 in any dtype (coreml_and_ane.md section 2)
         return torch.full((T, T), -1e4, dtype=self.dtype, device=self.device).triu(1)
 
-    def pad_mask(self, n, valid):  # an (n,) bias: 0 on the first `valid` columns, -1e4 on the rest
+    def pad_mask(self, n, valid):  # an (n,) bias, 0 on the first `valid` columns, -1e4 after
         return torch.where(torch.arange(n, device=self.device) < valid, 0.0, -1e4).to(self.dtype)
 
 
@@ -514,7 +511,7 @@ def vocab_chunks(V):
 
 
 def model_sizes(cfg):
-    """(parameters, the tied LM head once; vocabulary rows, padded as the ANE's head takes them)."""
+    """(parameter count, the tied LM head once; vocabulary rows, padded as the ANE's head takes them)."""
     rows, spans = vocab_chunks(cfg.vocab_size)
     shapes = gpt_param_shapes(model_config(cfg))
     return sum(p.numel() for k, p in shapes.items() if k != 'lm_head.weight'), rows * len(spans)
@@ -528,12 +525,12 @@ def dense_input_shapes(cfg, B, T):
         'x0': (B * T, cfg.n_embd), 'wte_tgt': (B * T, cfg.n_embd), 'loss_scale': (1, 1)}
 
 
-# ---- the host side: the sparse work the dense step leaves out
+# ---- the host side, the sparse work around the dense step
 def host_weights(params, cfg):
     """The dense step's weight inputs from nanoGPT's names: the same tensors, with c_attn
     sliced into q/k/v rows and the (tied) embedding into vocabulary chunks."""
     inp = {'lnf_w': params['transformer.ln_f.weight']}
-    if 'transformer.ln_f.bias' in params:  # biases only where the model has them (bias=False)
+    if 'transformer.ln_f.bias' in params:  # none under bias=False
         inp['lnf_b'] = params['transformer.ln_f.bias']
     for l in range(cfg.n_layer):
         for k, (name, third) in BLOCK_PARAMS.items():
@@ -547,8 +544,8 @@ def host_weights(params, cfg):
 
 
 def host_batch(wte, wpe, cfg, idx, targets, loss_scale):
-    """The dense step's per-microbatch inputs: x0 = wte[idx] + wpe[:T] (the embedding
-    lookup), wte_tgt = wte[targets] (the target rows), the loss scale as a (1, 1) tensor."""
+    """The dense step's per-microbatch inputs: the embeddings x0 = wte[idx] + wpe[:T], the target
+    rows wte_tgt = wte[targets], the loss scale as a (1, 1) tensor."""
     T = idx.shape[1]
     return {'x0': (wte[idx] + wpe[:T]).reshape(-1, cfg.n_embd), 'wte_tgt': wte[targets.reshape(-1)],
             'loss_scale': torch.full((1, 1), float(loss_scale), dtype=wte.dtype, device=wte.device)}
@@ -563,9 +560,9 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
     dwte.index_add_(0, idx.reshape(-1), g['x0'])           # d wte[idx[n]] += dx0[n]
     dwte.index_add_(0, targets.reshape(-1), g['wte_tgt'])  # d wte[target[n]] += dwte_tgt[n]
     dwpe = torch.zeros(cfg.block_size, cfg.n_embd, dtype=out_dtype, device=dwte.device)
-    dwpe[:T] = g['x0'].reshape(B, T, -1).sum(0)            # every sequence uses wpe[:T]
+    dwpe[:T] = g['x0'].reshape(B, T, -1).sum(0)            # every sequence uses wpe's first T rows
     grads = {'transformer.wte.weight': dwte, 'transformer.wpe.weight': dwpe, 'transformer.ln_f.weight': g['lnf_w']}
-    if 'lnf_b' in g:  # a gradient for every input the step had: biases only with bias=True
+    if 'lnf_b' in g:  # a gradient for every input the step had
         grads['transformer.ln_f.bias'] = g['lnf_b']
     for l in range(cfg.n_layer):
         for k, (name, third) in BLOCK_PARAMS.items():
@@ -574,7 +571,7 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
             elif f'h{l}_{k}' in g and third == 0:
                 grads[f'transformer.h.{l}.{name}'] = torch.cat([g[f'h{l}_{k[0]}{c}'] for c in 'qkv'], 0)
     if loss_scale != 1.0:
-        torch._foreach_div_(list(grads.values()), float(loss_scale))  # one launch (benchmarks/RESULTS.md)
+        torch._foreach_div_(list(grads.values()), float(loss_scale))  # one launch, benchmarks/RESULTS.md section 14
     return grads
 
 
@@ -597,17 +594,17 @@ def grads_finite(grads):
 # -----------------------------------------------------------------------------
 # 4. The Core ML programs: the same derivation, recorded by coremltools' MIL builder.
 #
-# MILOps' ops add ops to a MIL program instead of computing. A whole-model program compiles
-# for tens of minutes or fails, one block in a second (coreml_and_ane.md section 1). So the
-# step is three programs, chained by the host (CoreMLEngine), each compiled once for all
-# layers (the blocks share shapes; their weights are inputs):
-#   block_forward   x, the block's weights                -> y                 (L calls)
+# MILOps' ops add ops to a MIL program instead of computing.
+# A whole model compiles for tens of minutes or fails (coreml_and_ane.md section 1).
+# One block compiles in a second, so the host chains three programs (CoreMLEngine).
+# Blocks share shapes and take weights as inputs, so each compiles once.
+#   block_forward   x, the block's weights                -> y                  L calls
 #   head            x_L, ln_f, vocabulary chunks, target rows, loss scale
 #                                                          -> loss, d_x, d_<its weights>
-#   block_backward  x, dy, the block's weights            -> d_x, d_<weights>   (L calls)
-# block_backward recomputes its block's forward from x: the forward's cache would cross the
-# host twice, as fp32 (coreml_and_ane.md section 1). Opset macOS13: fp16 in and out.
-# 'step', the whole step as one program, can be exported to compare (--whole_step).
+#   block_backward  x, dy, the block's weights            -> d_x, d_<weights>   L calls
+# block_backward recomputes its block's forward from x.
+# A cache would cross the host twice, as fp32 (coreml_and_ane.md section 1).
+# Opset macOS13 takes fp16 in and out; export_ane.py --whole_step makes one 'step' program.
 ANE_PIECES = ('block_forward', 'head', 'block_backward')
 
 
@@ -653,8 +650,8 @@ class MILOps(Derivation):
     def maximum(self, a, b): return a.binary('maximum', b)
 
     # The ANE's reduce_sum accumulates in fp16, its matmul wide (coreml_and_ane.md section 2).
-    # So a sum is a matmul with a constant vector c: x @ c over the last axis, c^T x over rows.
-    # c = 1 sums; c = 1/n means, inside the wide sum, so no partial sum leaves fp16's range.
+    # So a sum is a matmul, x @ c over the last axis, c^T x over rows, c constant.
+    # c = 1 sums; c = 1/n means, so no partial sum leaves fp16's range.
     def sum_as_matmul(self, x, axis, c):
         vec = MILTensor(self.mb.const(val=np.full((1, x.shape[0]) if axis == 0 else (x.shape[axis], 1), c, np.float16)))
         return self.matmul(vec, x) if axis == 0 else self.matmul(x, vec)
@@ -666,11 +663,11 @@ class MILOps(Derivation):
     def mean(self, x, axis): return self.sum_as_matmul(x, axis, 1.0 / x.shape[axis])
 
     def layernorm_forward(self, x, w, b, eps=1e-5):
-        # fp16 squares overflow past 256, and GPT-2's residual rows grow past that
-        # (coreml_and_ane.md section 2). So each row is divided by s = max |xc| first
-        # (at least 2^-14, so a constant row gives 0, not 0/0).
-        # xs = xc/s: xhat = xs r, r = rsqrt(mean(xs^2) + e^2), e = sqrt(eps)/s; rstd = r/s.
-        # The cache is the derivation's (xhat, rstd): its layernorm_backward serves unchanged.
+        # fp16 squares overflow past 256 (coreml_and_ane.md section 2).
+        # GPT-2's residual rows pass it, so each row is first divided by s = max |xc|.
+        # s is at least 2^-14, so a constant row gives 0, not 0/0.
+        # xs = xc/s, xhat = xs r, r = rsqrt(mean(xs^2) + e^2), e = sqrt(eps)/s, rstd = r/s
+        # The cache is the derivation's (xhat, rstd), so its layernorm_backward serves.
         xc = x - self.mean(x, -1)
         s = self.maximum(self.max(self.unary('abs', xc), -1), 2.0 ** -14)
         xs, e = xc / s, math.sqrt(eps) / s
@@ -678,7 +675,7 @@ class MILOps(Derivation):
         xhat = xs * r
         return (xhat * w if b is None else xhat * w + b), (xhat, r / s)
 
-    def causal_mask(self, T):  # constants of the program, as TorchOps' masks
+    def causal_mask(self, T):  # program constants, the same as TorchOps' masks
         return MILTensor(self.mb.const(val=np.triu(np.full((T, T), -1e4, np.float16), 1)))
 
     def pad_mask(self, n, valid):
@@ -730,7 +727,7 @@ def mil_program(fn, shapes):
 
 def build_coreml_program(cfg, B, T, piece='step'):
     """run_piece(MILOps) as a MIL Program: fp16 inputs piece_input_shapes(cfg, B, T, piece),
-    fp16 outputs by run_piece's names, and 'peaks' (programs.peaks: the overflow check)."""
+    fp16 outputs by run_piece's names, and 'peaks', the overflow check of programs.peaks."""
     programs.check_shapes(B, T, cfg.block_size)
 
     def fn(ops, **inp):
@@ -740,11 +737,10 @@ def build_coreml_program(cfg, B, T, piece='step'):
 
 
 def coreml_predict_fn(path, pieces):
-    """THE macOS SEAM: predict(piece, inputs) -> outputs, by Core ML on CPU + Neural Engine,
-    each program compiled once into a cache beside it (programs.load_compiled: loading an
-    .mlpackage would compile it again at every start, coreml_and_ane.md section 1).
-    Everything else in this file runs anywhere; off macOS the saved programs run in the NumPy
-    evaluator."""
+    """The macOS seam: predict(piece, inputs) -> outputs, by Core ML on CPU + Neural Engine.
+    Each program is compiled once, into a cache beside it (an .mlpackage would compile again
+    at every load, coreml_and_ane.md section 1). Off macOS the saved programs run in the NumPy
+    evaluator; everything else in this file runs anywhere."""
     if not ON_MAC:
         return programs.numpy_programs(path, pieces)
     ct = settings.import_coremltools()
@@ -753,28 +749,32 @@ def coreml_predict_fn(path, pieces):
         try:
             models[piece] = programs.load_compiled(path, piece, lambda compiled: ct.models.CompiledMLModel(
                 compiled, compute_units=ct.ComputeUnit.CPU_AND_NE))
-        except Exception as e:  # a compile or load that failed: named, in one line
+        except Exception as e:  # a failed compile or load, named in one line
             raise UserError(f"Core ML could not compile or load the program {piece} ({settings.one_line(e)})") from None
     return lambda piece, inputs: programs.coreml_predict(models[piece], inputs)
 
 
 # -----------------------------------------------------------------------------
-# 5. The engines, and which ones a mode builds: AutogradEngine (the GPU), CoreMLEngine
-# (the ANE), EagerEngine (the derivation in PyTorch: the ANE's stand-in off a Mac).
+# 5. The engines, and which ones a mode builds.
+# AutogradEngine runs on the GPU, CoreMLEngine runs the ANE's programs.
+# EagerEngine runs the derivation in PyTorch, the ANE's stand-in off a Mac.
 
 
 class Engine:
-    """What the step needs of an engine: loss_and_grads(idx, targets) -> (0-dim loss, {param
-    name: gradient}) of one microbatch, fp32 (fp64 runs: fp64) tensors the caller owns; name
-    ('gpu' or 'ane'), label, device, scaler (a LossScaler); load_weights(params), once per
-    step. Each engine runs in a thread of its own (HeteroStep)."""
+    """What the step (HeteroStep) needs of an engine, which runs in a thread of its own:
+    - loss_and_grads(idx, targets) -> (0-dim loss, {param name: gradient}) of one microbatch,
+      fp32 tensors (fp64 in fp64 runs) that the caller owns;
+    - load_weights(params), once per step;
+    - name ('gpu' or 'ane'), label, device, scaler (a LossScaler)."""
     def load_weights(self, params):
         pass
 
 
 class LossScaler:
-    """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale` (small gradients stay above
-    zero), the host divides it out. Non-finite: halved; `window` finite steps: doubled, unless 2 x `peak` > `limit`."""
+    """Dynamic loss scaling for an fp16 engine: the backward is seeded with `scale`, so small
+    gradients stay above zero, and the host divides it out. The scale is
+    - halved (down to 1) after a non-finite step;
+    - doubled (up to 2^24) after `window` finite steps, unless 2 x `peak` > `limit`."""
 
     def __init__(self, scale, window, enabled=True, limit=math.inf):
         self.scale = float(scale) if enabled else 1.0
@@ -792,13 +792,13 @@ class LossScaler:
 
 
 class AutogradEngine(Engine):
-    """The GPU engine; its model *is* the master copy of the weights (no load_weights)."""
+    """The GPU engine. Its model is the master copy of the weights, so it loads none."""
     name = 'gpu'
 
     def __init__(self, model, device, dtype, compile=False, scaler=None):
         self.model, self.device = model, device
         self.forward = torch.compile(model) if compile else model
-        # bf16/fp16: autocast over fp32 master weights; fp32/fp64: the weights' own dtype
+        # bf16, fp16 autocast over fp32 master weights; fp32, fp64 run as they are
         self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16)
                          else contextlib.nullcontext())
         self.params = list(model.named_parameters())
@@ -806,13 +806,13 @@ class AutogradEngine(Engine):
         self.scaler = scaler if dtype == torch.float16 and scaler else LossScaler(1.0, 0, enabled=False)
         self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
 
-    def loss_and_grads(self, idx, targets):  # non-blocking copies on CUDA only: MPS's may read freed memory
-        with self.autocast:  # the forward only: backward ops take their forward's dtypes
+    def loss_and_grads(self, idx, targets):  # non-blocking copies on CUDA only; MPS's may read freed memory
+        with self.autocast:  # the forward only, as backward ops take their forward's dtypes
             _, loss = self.forward(*(t.to(self.device, non_blocking=self.device.type == 'cuda') for t in (idx, targets)))
-        self.model.zero_grad(set_to_none=True)  # (once the forward is queued: the device is busy meanwhile)
-        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()  # (unscaled in fp32: the master's)
+        self.model.zero_grad(set_to_none=True)  # after queuing the forward, so the device is busy meanwhile
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()  # unscaled in fp32, the weights' dtype
         grads = {n: p.grad / self.scaler.scale if self.scaler.enabled else p.grad for n, p in self.params}
-        self.model.zero_grad(set_to_none=True)  # the model keeps none: the caller owns them
+        self.model.zero_grad(set_to_none=True)  # the caller owns the gradients, the model keeps none
         return loss.detach(), grads
 
 
@@ -838,9 +838,9 @@ class EagerEngine(Engine):
 
 class CoreMLEngine(Engine):
     """The ANE engine: its programs, chained by the host around the sparse work. predict(piece,
-    inputs) -> outputs runs one (Core ML: coreml_predict_fn; the NumPy evaluator; the eager
-    stand-in), the one function to replace. A call takes any multiple of its own B sequences.
-    It runs in a worker process (plumbing/worker.py) or here, where on a Mac predict holds the GIL."""
+    inputs) -> outputs runs one, by Core ML (coreml_predict_fn), the NumPy evaluator or an eager
+    stand-in: the one function to replace. A call takes any multiple of B sequences. It runs in
+    a worker process (plumbing/worker.py) or here, where on a Mac predict holds the GIL."""
     name = 'ane'
     device = torch.device('cpu')
 
@@ -849,8 +849,8 @@ class CoreMLEngine(Engine):
         self.cfg, self.B, self.T, self.predict, self.pieces = cfg, B, T, predict, tuple(pieces)
         self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
         self.label, self.shapes = label, {k: tuple(p.shape) for k, p in gpt_param_shapes(cfg).items()}
-        # fp32 buffers, made once: coremltools wraps fp32 arrays as they are, and copies
-        # every fp16 one into a new fp32 array (coreml_and_ane.md section 1)
+        # fp32 buffers, made once, since coremltools wraps fp32 arrays as they are
+        # but copies each fp16 one into a new fp32 array (coreml_and_ane.md section 1)
         N, C, L = B * T, cfg.n_embd, cfg.n_layer
         self.inputs = {k: np.zeros(s, np.float32) for k, s in dense_input_shapes(cfg, B, T).items()}
         self.xs = [self.inputs['x0']] + [np.zeros((N, C), np.float32) for _ in range(L)]  # each block's input
@@ -888,7 +888,7 @@ class CoreMLEngine(Engine):
             np.copyto(self.inputs[k], v.numpy())
         peaks = []
 
-        def run(piece, inputs):  # one program; the largest |value| of each output noted
+        def run(piece, inputs):  # one program, noting each output's largest |value|
             out = self.predict(piece, inputs)
             peaks.extend(float(np.max(np.abs(v))) for v in out.values())
             return {k: v for k, v in out.items() if k != 'peaks'}
@@ -896,8 +896,8 @@ class CoreMLEngine(Engine):
         peak = float(np.max(peaks))  # nan if any output holds a nan
         self.scaler.peak = max(self.scaler.peak, peak)
         g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in out.items() if k.startswith('d_')}
-        # an overflow (an output past ANE_OVERFLOW, the peaks included) makes the loss inf:
-        # the step drops these gradients and lowers the loss scale
+        # any output or peak past ANE_OVERFLOW makes the loss inf
+        # so the step drops these gradients and lowers the loss scale
         loss = float(np.asarray(out['loss']).reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
 
@@ -955,7 +955,7 @@ def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine):
         if run.ane_in_worker:
             spec = ane_spec(cfg, run, log) | dict(threads=worker.share_cores(run.device.type == 'cpu'))
             engines['ane'] = worker.WorkerEngine(spec, ane_engine, scaler, log, load_timeout=cfg.ane_load_timeout)
-        elif run.ane_programs:  # in this process (on a Mac: GIL-bound)
+        elif run.ane_programs:  # in this process, GIL-bound on a Mac
             engines['ane'] = ane_engine(ane_spec(cfg, run, log), scaler)
         else:
             engines['ane'] = eager_engine(model.config, run.ane_device, run.ane_dtype, scaler)

@@ -2,17 +2,19 @@
 The ANE engine in a worker process of its own.
 
 Core ML's predict and its model load hold the GIL for the whole call (docs/coreml_and_ane.md
-section 1): in a thread of the training process, every Core ML call would stop the GPU
+section 1). In a thread of the training process, every Core ML call would stop the GPU
 engine's Python, and the two engines would take turns. So the ANE engine (the trainer's
-CoreMLEngine, built in the worker by the function the trainer hands over) runs in a worker process,
-started with spawn (Objective-C frameworks do not survive fork). The training process
-exchanges with it once per microbatch, through shared memory allocated once: the weights
-(fp32, written once per step), the batch (int64) and the gradients (fp32). The engine's
-thread waits on a pipe, which releases the GIL.
+CoreMLEngine, built in the worker by the function the trainer hands over) runs in a worker
+process, started with spawn, since Objective-C frameworks do not survive fork. The training
+process exchanges with it once per microbatch, through shared memory allocated once:
+- the weights, fp32, written once per step;
+- the batch, int64;
+- the gradients, fp32.
+The engine's thread waits on a pipe, which releases the GIL.
 
-A worker that dies (even by SIGKILL: a failed ANE compile kills the process at its first
-predict, coremltools #2758), that does not answer within its timeout, or that raises,
-raises WorkerFault here: HeteroStep retires the engine and the GPU engine runs its share.
+A worker that dies (a failed ANE compile kills it by SIGKILL at its first predict,
+docs/coreml_and_ane.md section 1), does not answer within its timeout, or raises, raises
+WorkerFault here: HeteroStep retires the engine and the GPU engine runs its share.
 
 Off macOS the same worker runs the engine with a stand-in for Core ML (the eager derivation
 on the CPU, or the exported programs in NumPy), so the process boundary, the buffers, the
@@ -36,19 +38,18 @@ from .memory import max_rss
 from .settings import ON_MAC, UserError, one_line
 
 
-# Each call of the exchange that releases the GIL (the pipe's send and poll, the copies) must take it back
-# from the GPU engine's thread, which holds it between its kernel launches. A waiting thread asks the
-# holder to drop it once the switch interval has passed (sys.setswitchinterval; take_gil in CPython's
-# Python/ceval_gil.c), and the holder drops it at its next bytecode boundary. So while a worker is up the
-# interval is 0.5 ms, not CPython's 5 ms (benchmarks/RESULTS.md, 15); the other thread is asked only when
-# this one waits.
+# Each exchange call that releases the GIL must take it back from the GPU engine's thread.
+# That thread holds it between kernel launches and yields it to a waiter after one switch interval.
+# So while a worker is up the interval is 0.5 ms, not CPython's 5 ms.
+# A thread is asked to yield only while another waits.
+# CPython's source and the measurements are in benchmarks/RESULTS.md section 15.
 SWITCH_S = 5e-4
 _switch = dict(up=0, before=None, lock=threading.Lock())
 
 
 def gil_switch(delta):
     """One more (+1) or one fewer (-1) worker up: SWITCH_S while any is, then the interval as it was."""
-    with _switch['lock']:  # (a fault may stop a worker from the engine's thread)
+    with _switch['lock']:  # a fault may stop a worker from the engine's thread
         if delta > 0 and _switch['up'] == 0:
             _switch['before'] = sys.getswitchinterval()
             sys.setswitchinterval(min(_switch['before'], SWITCH_S))
@@ -78,17 +79,17 @@ def views(flat, shapes):
 
 
 class Buffers:
-    """The shared memory of one worker, allocated once: weights and gradients (fp32, by
-    nanoGPT's names and shapes, in one flat block each) and a batch (int64 idx and targets,
-    (2, B, T) for up to B sequences). The training process creates them (names None);
-    the worker attaches to them by name."""
+    """The shared memory of one worker, allocated once:
+    - weights and gradients, fp32, in one flat block each, viewed by nanoGPT's names and shapes;
+    - a batch, int64 idx and targets as (2, B, T), for up to B sequences.
+    The training process creates them (names None); the worker attaches to them by name."""
 
     def __init__(self, shapes, B, T, names=None):
         n = sum(math.prod(s) for s in shapes.values())
         sizes = dict(w=4 * n, g=4 * n, batch=8 * 2 * B * T)
         self.shm, self.owner = {}, names is None
         try:
-            if self.owner and os.path.isdir('/dev/shm'):  # Linux: a full tmpfs fails at the first write (SIGBUS)
+            if self.owner and os.path.isdir('/dev/shm'):  # a full tmpfs fails at the first write, by SIGBUS
                 st = os.statvfs('/dev/shm')
                 if st.f_bavail * st.f_frsize < sum(sizes.values()):
                     raise OSError(f"/dev/shm has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free")
@@ -106,25 +107,27 @@ class Buffers:
         self.names = {k: m.name for k, m in self.shm.items()}
 
     def close(self):
-        self.flat = self.w = self.g = self.batch = None  # the views first: a buffer with views cannot close
+        self.flat = self.w = self.g = self.batch = None  # views first, as a buffer with views cannot close
         for m in self.shm.values():
             try:
                 m.close()
-            except BufferError:  # a view still held somewhere: the mapping goes with the process
+            except BufferError:  # a view still held; the mapping goes with the process
                 pass
             if self.owner:
                 m.unlink()
         self.shm = {}
 
 
-CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start: one per core
+CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start, one per core
 
 
 def share_cores(gpu_on_cpu):
-    """The worker's CPU threads: all cores but one for the thread that feeds the GPU, or half
-    of them when the GPU engine is on the CPU too (this process then keeps the other half). Else this
-    process's own CPU work (the copy of the worker's gradients, while the worker waits) takes as many: one
-    per core would leave the thread that shares the feeding thread's core last (benchmarks/RESULTS.md, 15)."""
+    """The worker's CPU threads, and this process's:
+    - GPU engine on the CPU: half the cores each;
+    - else: the worker gets all cores but one, left to the thread that feeds the GPU, and this
+      process as many for its copy of the gradients, made while the worker waits. With one
+      per core, the copy's thread on the feeding thread's core finishes last
+      (benchmarks/RESULTS.md section 15)."""
     threads = max(1, CPU_THREADS // 2 if gpu_on_cpu else CPU_THREADS - 1)
     torch.set_num_threads(max(1, CPU_THREADS - threads) if gpu_on_cpu else threads)
     return threads
@@ -132,7 +135,7 @@ def share_cores(gpu_on_cpu):
 
 def serve(conn, names, spec, make):
     """The worker's loop: ('run', b, loss scale, new weights?) -> ('done', loss, peak, seconds, max_rss)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer stops the worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the trainer stops the worker
     try:
         torch.set_num_threads(spec['threads'])
         bufs = Buffers(spec['shapes'], spec['max_batch'], spec['T'], names)
@@ -163,7 +166,7 @@ def serve(conn, names, spec, make):
             conn.send(('error', one_line(e)))
 
 
-_live = weakref.WeakSet()  # every worker up: stopped at once by Ctrl-C's exit
+_live = weakref.WeakSet()  # every worker up, stopped at once when Ctrl-C exits
 
 
 def close_all():
@@ -176,10 +179,10 @@ progress.ON_INTERRUPT.append(close_all)
 
 class WorkerEngine:
     """The ANE engine, seen from the training process: the trainer's Engine interface over a
-    worker that runs the engine make(spec) builds (make: a module-level function, which spawn
-    sends by name). The first answer (start and load: on a Mac the Neural Engine compile) may take up to
-    load_timeout; later calls get timeout_factor times the slowest call per sequence so far,
-    at least min_timeout seconds."""
+    worker that runs the engine make(spec) builds. make is a module-level function, which spawn
+    sends by name. Timeouts:
+    - the first answer (start and load, on a Mac the Neural Engine compile): load_timeout;
+    - later calls: timeout_factor x the slowest call per sequence so far, at least min_timeout."""
     name = 'ane'
     device = torch.device('cpu')
 
@@ -187,13 +190,13 @@ class WorkerEngine:
         self.scaler, self.spec = scaler, spec
         self.load_timeout, self.factor, self.min_timeout = load_timeout, timeout_factor, min_timeout
         self.label, self.new_weights = f"ANE worker ({spec['evaluator']})", False
-        self.seconds, self.slowest = None, 0.0  # the worker's own time of the last call; the slowest a sequence
+        self.seconds, self.slowest = None, 0.0  # the worker's seconds, last call and slowest per sequence
         self.max_rss = None  # the worker's peak resident memory, bytes
         self.bufs = Buffers(spec['shapes'], spec['max_batch'], spec['T'])
         ctx = multiprocessing.get_context('spawn')
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=serve, args=(child, self.bufs.names, spec, make), name='ane-worker', daemon=True)
-        # stopped when this engine is freed, or at exit (a finalizer that holds no reference to it)
+        # stopped when this engine is freed or at exit, by a finalizer without a reference to it
         self._stop = weakref.finalize(self, _shutdown, self.proc, self.conn, self.bufs)
         _live.add(self)
         gil_switch(+1)
@@ -203,14 +206,14 @@ class WorkerEngine:
                 "many minutes (Ctrl-C stops it safely); later starts load them from the cache")
         try:
             with progress.Ticker(what + (" (compiling for the Neural Engine)" if ON_MAC else '')):
-                with progress.children_ignore_ctrl_c():  # (the trainer stops it)
+                with progress.children_ignore_ctrl_c():  # the trainer stops it
                     self.proc.start()
                 child.close()
                 (self.label,) = self._wait(load_timeout, 'starting')
         except (WorkerFault, OSError) as e:
             self.close()
             raise UserError(f"the ANE worker could not start: {e}; --mode gpu trains without it") from None
-        except KeyboardInterrupt:  # Ctrl-C while it compiles: stopped, its memory freed, then the caller's
+        except KeyboardInterrupt:  # Ctrl-C while it compiles stops it and frees its memory
             self.close()
             raise
 
@@ -218,8 +221,8 @@ class WorkerEngine:
         w = self.bufs.w
         if {k: tuple(p.shape) for k, p in params.items()} != {k: v.shape for k, v in w.items()}:
             raise UserError(f"the ANE worker was started for another model ({self.spec['cfg']})")
-        # once per step, in one call: its generated binding releases the GIL once (gil_scoped_release in
-        # each dispatch lambda, pytorch tools/autograd/gen_python_functions.py), not once per tensor
+        # once per step, one call that releases the GIL once, not once per tensor
+        # PyTorch's source and the GIL waits are in benchmarks/RESULTS.md section 15
         with torch.no_grad():
             torch._foreach_copy_([torch.from_numpy(v) for v in w.values()], [params[k] for k in w])
         self.new_weights = True
@@ -236,23 +239,22 @@ class WorkerEngine:
             np.copyto(self.bufs.batch[i, :b], t.cpu().numpy())
         self.conn.send(('run', b, float(self.scaler.scale), self.new_weights))
         self.new_weights = False
-        # the gradients' new home, NumPy's memory (huge pages on Linux, numpy alloc.c), its pages faulted in
-        # (zeroed by the kernel at first touch) while the worker computes, so that the copy below only copies.
-        # fill: one thread, the GIL released (NPY_BEGIN_THREADS_THRESHOLDED, numpy array_assign_scalar.c)
+        # the gradients' new home, in NumPy memory, which gets huge pages on Linux
+        # faulted in while the worker computes, so the copy below only copies
+        # fill runs on one thread, without the GIL (benchmarks/RESULTS.md section 15)
         try:
             flat = np.empty_like(self.bufs.flat['g'])
             flat.fill(0)
-        except BaseException:  # (the worker's answer would be left unread)
+        except BaseException:  # the worker's answer would be left unread
             self.close()
             raise
         timeout = max(self.min_timeout, self.factor * b * self.slowest) if self.seconds is not None else self.load_timeout
         loss, peak, seconds, self.max_rss = self._wait(timeout, f"computing {b} sequences")
         self.seconds, self.slowest = seconds, max(self.slowest, seconds / b)
         self.scaler.peak = max(self.scaler.peak, peak)
-        # one copy of the whole block. copy_ releases the GIL while it runs (pybind11::gil_scoped_release
-        # in dispatch_copy_, pytorch tools/autograd/templates/python_variable_methods.cpp);
-        # beside a busy thread, taking it back waits about the switch interval: once here, not once per tensor
-        # (from_numpy and views keep it)
+        # one copy of the whole block, since copy_ releases the GIL
+        # and taking it back beside a busy thread waits a switch interval
+        # from_numpy and views keep the GIL (benchmarks/RESULTS.md section 15)
         torch.from_numpy(flat).copy_(torch.from_numpy(self.bufs.flat['g']))
         return torch.tensor(loss), {k: torch.from_numpy(v) for k, v in views(flat, self.spec['shapes']).items()}
 
@@ -262,12 +264,12 @@ class WorkerEngine:
         while not self.conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
             if not self.proc.is_alive() and not self.conn.poll(0):
                 raise self._fault(f"died while {what} ({exit_text(self.proc.exitcode)})")
-            if time.monotonic() >= deadline:  # killed: a hung worker would not read a request to stop
+            if time.monotonic() >= deadline:  # killed, as a hung worker would not read a request to stop
                 self.proc.kill()
                 raise self._fault(f"did not finish {what} within {timeout:.0f} s, so it was stopped")
         try:
             msg = self.conn.recv()
-        except (EOFError, OSError):  # it is gone: its exit status comes once it is reaped
+        except (EOFError, OSError):  # it is gone; its exit status comes once it is reaped
             self.proc.join(5)
             raise self._fault(f"died while {what} ({exit_text(self.proc.exitcode)})") from None
         if msg[0] == 'error':
@@ -286,7 +288,7 @@ class WorkerEngine:
         self.proc = self.bufs = None
 
 
-def _shutdown(proc, conn, bufs):  # (once per worker: weakref.finalize calls it at most once)
+def _shutdown(proc, conn, bufs):  # weakref.finalize calls it at most once per worker
     gil_switch(-1)
     if proc.pid is not None and proc.is_alive():
         try:
