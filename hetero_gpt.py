@@ -977,11 +977,11 @@ class Split:
     - auto, where the GPU engine alone makes the faster step: none."""
     PROBE_EVERY, RETIME_EVERY, RETIME_AT = 20, 100, 10  # steps
 
-    def __init__(self, microbatches, fraction=None):  # None: auto
+    def __init__(self, microbatches, fraction=None):  # None means auto
         self.microbatches, self.auto = microbatches, fraction is None
         self.ane_share = microbatches // 2 if self.auto else round(fraction * microbatches)
         self.sec_per_microbatch, self.steps = {}, 0  # engine name -> smoothed seconds
-        self.step_sec = {}  # a whole step's seconds per microbatch: 'alone' (GPU only) or 'both'
+        self.step_sec = {}  # a whole step's seconds per microbatch, 'alone' or 'both'
 
     def share_now(self, alive):
         """The ANE's share, given which engines are alive."""
@@ -1041,7 +1041,7 @@ class Share:
     finite: bool
     seconds: float
 
-    def __add__(self, other):  # the same engine's second run: a failed engine's share
+    def __add__(self, other):  # a second run of one engine, redoing a failed share
         torch._foreach_add_(list(self.grads.values()), [other.grads[k] for k in self.grads])  # one launch
         return Share(self.grads, self.loss + other.loss, self.n + other.n, self.finite and other.finite,
                      self.seconds + other.seconds)
@@ -1080,12 +1080,12 @@ class HeteroStep:
         self.model, self.engines, self.split, self.log, self.optimizer = model, engines, split, log, optimizer
         self.params, self.alive = dict(model.named_parameters()), set(engines)
         self.weights = next(iter(self.params.values()))  # where the mean gradient goes, and its dtype
-        # one long-lived thread per engine: CUDA sets up each new one
+        # one long-lived thread per engine; CUDA sets up each new one
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's share was left out
         self.skipped = 0  # steps without an update
 
-    def check(self, microbatches):  # a batch the model cannot take: bad data, not a faulty engine
+    def check(self, microbatches):  # bad data is the data's fault, not an engine's
         try:
             for idx, targets in microbatches:
                 check_batch(self.model.config, idx, targets)
@@ -1131,7 +1131,7 @@ class HeteroStep:
                 raise RuntimeError("both engines failed") from e
             results[other] = results[other] + redo if other in results else redo
 
-    def _count(self, results):  # each engine's flag: its loss scale, and a drop if not finite
+    def _count(self, results):  # each flag updates its loss scale and drop count
         for name, r in results.items():
             self.engines[name].scaler.update(r.finite)
             self.dropped[name] += not r.finite
@@ -1140,7 +1140,7 @@ class HeteroStep:
         """The finite shares' summed gradients, divided by their microbatches, into p.grad."""
         used = {name: r for name, r in results.items() if r.finite}
         n, loss, total = sum(r.n for r in used.values()), sum(r.loss for r in used.values()), None
-        for r in used.values():  # each engine's sums are its own buffers: added to in place
+        for r in used.values():  # each engine's sums are its own, added to in place
             g = [r.grads[k] for k in self.params]
             if (g[0].device, g[0].dtype) != (self.weights.device, self.weights.dtype):  # an engine elsewhere
                 g = [t.to(self.weights.device, self.weights.dtype) for t in g]
@@ -1149,11 +1149,11 @@ class HeteroStep:
             total = g
         for r in results.values():
             r.grads = None  # the sum is p.grad now
-        if distributed.world()[1] > 1:  # torchrun: every rank's sums and counts
+        if distributed.world()[1] > 1:  # under torchrun, every rank's sums and counts
             total = total or [torch.zeros_like(p) for p in self.params.values()]
             *total, n_loss = distributed.all_reduce_sum(total + [total[0].new_tensor([n, loss])])
             n, loss = round(n_loss[0].item()), n_loss[1].item()
-        if n == 0:  # no finite share on any rank: no update
+        if n == 0:  # no finite share on any rank, so no update
             self.skipped += 1
             return dict(loss=math.nan, n=0, used=[], results=results)
         for p, g in zip(self.params.values(), total):
