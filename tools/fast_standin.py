@@ -189,10 +189,8 @@ class FastEagerEngine(hg.EagerEngine):
             if self.use_graph and self.graph_key != key:
                 try:
                     self.capture(*key)
-                except RuntimeError as e:  # e.g. out of memory: run op by op instead
+                except torch.cuda.OutOfMemoryError as e:  # the capture ends cleanly; op by op needs less
                     self.use_graph, self.graph, self.g_out = False, None, None
-                    if self.device.type == 'cuda':
-                        release_rng(self.device)
                     print(f"{self.label}: CUDA graph capture failed ({e}); running the step op by op")
             if not self.use_graph:
                 return super().loss_and_grads(idx, targets)
@@ -201,16 +199,6 @@ class FastEagerEngine(hg.EagerEngine):
             self.graph.replay()
             loss, grads = self.g_out
             return loss.clone(), {k: v.clone() for k, v in grads.items()}
-
-
-def release_rng(device):
-    """A capture that failed leaves the device's random generator in capture mode (PyTorch's
-    CUDAGraph ends that only when the capture succeeds), and every later random op on the device
-    then fails: the generator gets a fresh state at the same seed and offset."""
-    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    fresh = torch.Generator(device)
-    fresh.set_state(gen.get_state())
-    gen.graphsafe_set_state(fresh)
 
 
 class PaddedHeadGPT(hg.GPT):
@@ -277,8 +265,10 @@ class NoWaitStep(hg.HeteroStep):
         if grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params.values(), grad_clip, norm)
         self.optimizer.found_inf = (~norm.isfinite()).float()
-        self.optimizer.step()
-        del self.optimizer.found_inf  # this step's only, as GradScaler's
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf  # this step's only, as GradScaler's
         self.optimizer.zero_grad(set_to_none=True)
         share.finite = bool(norm.isfinite())  # the update is queued: the host reads now
         share.loss, share.seconds = float(share.loss), time.perf_counter() - self.t0
