@@ -1100,7 +1100,7 @@ class HeteroStep:
         for name in self.alive - {'gpu'}:
             if shares[name]:
                 self.engines[name].load_weights(self.params)  # this step's weights
-        # one thread queues GPU work at a time; this one waits below
+        # on a Mac only the GPU engine queues MPS work; this thread waits
         futures = {n: self.threads[n].submit(run_engine, self.engines[n], shares[n]) for n in self.alive if shares[n]}
         results, errors = {}, {}
         for name, future in futures.items():
