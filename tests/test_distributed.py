@@ -226,3 +226,39 @@ def test_hung_rank_is_named_after_the_timeout(data_dir, tmp_path):
         procs[1].kill()
         procs[1].communicate()
     ckpt_intact_and_resumable(data_dir, tmp_path)
+
+
+# ---- leaving the group: at Ctrl-C too, never while an error goes up to be named
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """This process as rank 0 of 1, as torchrun starts it; its group and SIGTERM's handler undone after."""
+    env = dict(RANK='0', LOCAL_RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # (a group and a run of its own: 2 s)
+def test_ctrl_c_leaves_the_group_with_exit_code_130_and_its_checkpoint(data_dir, tmp_path, one_rank, ctrl_c):
+    # Ctrl-C between steps: the checkpoint of step 1, exit code 130, and the group left, as at an end
+    ctrl_c.at(1)
+    assert helpers.main(data_dir, tmp_path, max_iters=2) == 130
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 1
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow  # (the stopped ranks are those whose heartbeat stands still for 3 s)
+def test_an_error_keeps_the_group_that_names_the_stopped_ranks(data_dir, tmp_path, one_rank, monkeypatch, capsys):
+    # a failed collective goes up through train's finally: the group stays, so main names the
+    # ranks (none stopped here: the line is the error's), one line and exit code 1, no traceback
+    def fail(self, microbatches):
+        raise RuntimeError("a collective failed")
+    monkeypatch.setattr(hg.HeteroStep, '__call__', fail)
+    assert helpers.main(data_dir, tmp_path, max_iters=10) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: rank 0: a collective failed"
+    assert dist.is_initialized()
