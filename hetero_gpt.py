@@ -1287,7 +1287,7 @@ def train(cfg, given=frozenset()):
     metrics = progress.Metrics(os.path.join(cfg.out_dir, 'metrics.jsonl') if rank == 0 else os.devnull,
                                cfg, device, engines, step, meter, run)
     timed = progress.Every(cfg.eval_seconds, run.elapsed)  # evaluations at fixed training time
-    eta = progress.Eta(run.it, cfg.max_iters, tok_per_step)  # the projected time, said once
+    eta = progress.Eta(run.it, cfg.max_iters, tok_per_step, cfg.batch_size * cfg.block_size, log if rank == 0 else None)
     bar = tqdm(total=cfg.max_iters, initial=run.it, disable=progress.no_bar(cfg.quiet), dynamic_ncols=True, desc='train')
     bad, best_due, in_step = 0, False, False  # steps in a row without a usable gradient; a best not saved yet
 
@@ -1328,7 +1328,7 @@ def train(cfg, given=frozenset()):
             if saving:
                 checkpoint(best_due)
             progress.show(bar, row, cfg.max_iters, rank)  # on the bar, or a line of text
-            eta.say(run.it, run.elapsed, out['results'], cfg.batch_size * cfg.block_size, log if rank == 0 else None)
+            eta.say(run.it, run.elapsed, out['results'])  # the projected time, said once
             bar.update(1)
         if run.it < cfg.max_iters:
             print(f"step {run.it}: stopped early, {run.since_best} evaluations without a lower validation loss (--patience)")

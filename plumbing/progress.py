@@ -74,11 +74,12 @@ class Ticker:
 
 class Eta:
     """The run's projected time to max_iters, said once after the first steps: tokens/s from
-    the steps after the first (which compiles and warms up), per engine too."""
+    the steps after the first (which compiles and warms up), per engine too. log: where it is
+    said (None: not on this rank)."""
 
-    def __init__(self, start, total, tok_per_step, after=3):
+    def __init__(self, start, total, tok_per_step, tok_per_microbatch, log=None, after=3):
         self.start, self.total, self.tok, self.after = start, total, tok_per_step, after
-        self.t1, self.said = None, False
+        self.tok_mb, self.log, self.t1, self.said = tok_per_microbatch, log, None, False
 
     def line(self, it, elapsed, engines=None):
         """The projection at step `it` (training seconds `elapsed`), once; else None.
@@ -96,11 +97,11 @@ class Eta:
                 + f"; the {self.total - it:,} steps left to --max_iters {self.total} take {clock(left)} "
                 f"(until about {end}); --patience may stop it sooner")
 
-    def say(self, it, elapsed, results, tok_per_microbatch, log):
-        """line(), from a step's results (shares), to log (None: not this rank)."""
-        text = self.line(it, elapsed, {n: rate for n, (rate, _) in shares(results, tok_per_microbatch).items()})
-        if text and log:
-            log(text)
+    def say(self, it, elapsed, results):
+        """line(), from a step's results (shares), to log."""
+        text = self.line(it, elapsed, {n: rate for n, (rate, _) in shares(results, self.tok_mb).items()})
+        if text and self.log:
+            self.log(text)
 
 
 def shares(results, tok_per_microbatch):
@@ -115,7 +116,8 @@ class Metrics:
     Rates are over training time since the row before: evaluations and checkpoints excluded."""
 
     def __init__(self, path, cfg, device, engines, step, meter, run):
-        self.file, self.cfg, self.device, self.engines, self.step, self.meter = open(path, 'a'), cfg, device, engines, step, meter
+        self.cfg, self.device, self.engines, self.step, self.meter = cfg, device, engines, step, meter
+        self.file = open(path, 'a')
         self.last = run.elapsed, run.tokens, meter.joules()  # the last row's clock, tokens and joules
 
     def row(self, run, lr, out):
