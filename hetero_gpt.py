@@ -22,7 +22,6 @@ holds what extends it.
 """
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -38,11 +37,11 @@ from tqdm import tqdm
 
 import prepare_data  # defines: load (checked token arrays), DataError
 from plumbing import checkpoints  # defines: check_out_dir, restore, delete, resume, state, save_checkpoint, diverged, closing_sample
-from plumbing import distributed  # defines: join_ranks, world, rank_share, rank0_first, from_rank0, all_reduce_sum, gather, check_same_weights, exit_naming_stopped, leave
+from plumbing import distributed  # defines: join_ranks, world, rank_share, rank0_first, from_rank0, all_reduce_sum, check_same_weights, exit_naming_stopped, leave
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
-from plumbing import memory  # defines: preflight (refuses a run that will not fit), measured
+from plumbing import memory  # defines: preflight (refuses a run that will not fit)
 from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
-from plumbing import progress  # defines: Eta, first_step, show, header, no_bar, stop_run, ctrl_c_exits
+from plumbing import progress  # defines: Eta, Metrics, Every, first_step, show, header, no_bar, stop_run, ctrl_c_exits
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, check_shapes, coreml_predict, peaks
 from plumbing import settings  # defines: parse_args, check, import_coremltools, one_line, machine_defaults
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in its own process), share_cores
@@ -1276,8 +1275,8 @@ def setup(cfg, given, log=print):
 
 
 def train(cfg, given=frozenset(), classes=Classes()):
-    cfg, rank, world = distributed.join_ranks(cfg)
-    ckpt_path, metrics_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'metrics.jsonl')
+    cfg, rank, _ = distributed.join_ranks(cfg)
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     cfg, restored = checkpoints.restore(cfg, given, ckpt_path, rank)  # --resume: the run's own settings
     cfg, init, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given | restored))  # (rank 0 downloads)
     cfg, run = setup(cfg, given | restored | fixed)  # the flags init fixed, as if given: no machine default for them
@@ -1290,101 +1289,68 @@ def train(cfg, given=frozenset(), classes=Classes()):
     device, dtype = run.device, run.dtype
     if init and rank == 0 and not cfg.resume:  # (under torchrun the other ranks get rank 0's weights)
         print(f"fine-tuning from the weights in {pretrained.load(model, cfg.init_from)}")
-    it, tokens, elapsed, best_val, since_best = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, step.split, engines, rank)
-    bad, best_due, in_step = 0, False, False  # steps in a row without a usable gradient; a best not saved yet
+    prog = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, step.split, engines, rank)  # where it stands
     checkpoints.delete(old_run if rank == 0 else [])  # (--overwrite)
-
-    def checkpoint(best=False):  # best: also as best.pt
-        nonlocal best_due
-        if rank == 0:
-            counters = dict(iter_num=it, tokens=tokens, elapsed=elapsed, best_val_loss=best_val, evals_since_best=since_best)
-            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, step.split, engines, **counters), best)
-        best_due = False
-
     print(progress.header(model, cfg.mode, engines, meter))  # size, mode, engines, energy meter
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    metrics = open(metrics_path if rank == 0 else os.devnull, 'a')
-    evaluator = engines.get('gpu') or AutogradEngine(model, device, dtype)
-    bar = tqdm(total=cfg.max_iters, initial=it, disable=progress.no_bar(cfg.quiet), dynamic_ncols=True, desc='train')
-    eta = progress.Eta(it, cfg.max_iters, tok_per_step)  # the projected time, said once
-    next_eval_s = (elapsed // cfg.eval_seconds + 1) * cfg.eval_seconds if cfg.eval_seconds > 0 else 0.0
-    j0, t_log, tok_log = meter.joules(), elapsed, 0
-    stop = it >= cfg.max_iters or 0 < cfg.patience <= since_best  # (a resumed run may be done)
-    if stop:
-        print(f"step {it}, {since_best} evaluations past the best (--max_iters {cfg.max_iters}, --patience {cfg.patience}): no steps to train")
+    eval_engine = engines.get('gpu') or AutogradEngine(model, device, dtype)
+    metrics = progress.Metrics(os.path.join(cfg.out_dir, 'metrics.jsonl') if rank == 0 else os.devnull,
+                               cfg, device, engines, step, meter, prog)
+    timed = progress.Every(cfg.eval_seconds, prog.elapsed)  # evaluations at fixed training time
+    eta = progress.Eta(prog.it, cfg.max_iters, tok_per_step, cfg.batch_size * cfg.block_size, log if rank == 0 else None)
+    bar = tqdm(total=cfg.max_iters, initial=prog.it, disable=progress.no_bar(cfg.quiet), dynamic_ncols=True, desc='train')
+    bad, best_due, in_step = 0, False, False  # steps in a row without a usable gradient; a best not saved yet
+
+    def checkpoint(best):  # rank 0 writes ckpt.pt; best: best.pt too
+        nonlocal best_due
+        if rank == 0:
+            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, step.split, engines, prog), best)
+        best_due = False
+
+    if prog.done(cfg):  # a resumed run may be done
+        print(f"step {prog.it}, {prog.since_best} evaluations past the best (--max_iters {cfg.max_iters}, "
+              f"--patience {cfg.patience}): no steps to train")
     try:
-        while not stop:
-            lr = get_lr(cfg, it)
+        while not prog.done(cfg):
+            lr = get_lr(cfg, prog.it)
             for g in optimizer.param_groups:
                 g['lr'] = lr
             t0 = time.perf_counter()
-            microbatches = distributed.rank_share(step_batches(cfg, data['train'], it))
-            with progress.first_step(it == eta.start):  # its time shown while it compiles and warms up
+            microbatches = distributed.rank_share(step_batches(cfg, data['train'], prog.it))
+            with progress.first_step(prog.it == eta.start):  # its time shown while it compiles and warms up
                 in_step, out = True, step(microbatches)  # both engines; the mean gradient into p.grad
                 step.update(out, cfg.grad_clip)  # one AdamW step
-            it, in_step = it + 1, False
-            bad = 0 if out['n'] else bad + 1  # n: usable microbatches, over every rank
-            tokens += tok_per_step
-            tok_log += tok_per_step
-            elapsed += time.perf_counter() - t0
+            prog.stepped(tok_per_step, time.perf_counter() - t0)  # it, tokens, elapsed
+            in_step, bad = False, 0 if out['n'] else bad + 1  # n: usable microbatches, over every rank
             if cfg.max_bad_steps and bad >= cfg.max_bad_steps:  # diverged: stop, before any checkpoint
-                raise checkpoints.diverged(cfg, it, bad, out['loss'], engines, ckpt_path)
-            row = None
-            if it % cfg.log_interval == 0 or it == cfg.max_iters:
-                dt = elapsed - t_log  # training time only: evaluations and checkpoints excluded
-                row = dict(step=it, loss=out['loss'], lr=lr, tokens=tokens, tokens_per_s=tok_log / dt,
-                           elapsed=elapsed, mode=cfg.mode, grad_norm=out['grad_norm'],
-                           memory=memory.measured(device, engines.get('ane')))
-                own = dict(ane_microbatches=out['ane_share'], microbatches=step.split.microbatches,
-                           dropped=dict(step.dropped), skipped=step.skipped)  # this rank's
-                for n, r in out['results'].items():
-                    own[f'{n}_tokens_per_s'] = r.n * cfg.batch_size * cfg.block_size / r.seconds
-                    own[f'{n}_loss'] = r.loss / r.n  # each engine's own mean: a check on the other
-                if 'ane' in engines:
-                    own['loss_scale'] = engines['ane'].scaler.scale
-                j = meter.joules()
-                if j is not None:
-                    own['joules_per_token'] = (j - j0) / tok_log
-                    j0 = j
-                row |= own if world == 1 else dict(ranks=distributed.gather(own))  # every rank's, in rank 0's row
-                t_log, tok_log = elapsed, 0
-            timed_eval = cfg.eval_seconds > 0 and elapsed >= next_eval_s
-            if timed_eval:  # at fixed training time (steps only; evaluation is not counted)
-                row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(eval_at_seconds=next_eval_s)
-                while next_eval_s <= elapsed:
-                    next_eval_s += cfg.eval_seconds
-            scheduled = it % cfg.eval_interval == 0 or it == cfg.max_iters
-            if scheduled or timed_eval:
-                if scheduled:  # (timed evaluations: each rank's own time, no collective)
-                    distributed.check_same_weights(model, it)
-                val = evaluate(model, evaluator, cfg, data['val'])
+                raise checkpoints.diverged(cfg, prog.it, bad, out['loss'], engines, ckpt_path)
+            row = metrics.row(prog, lr, out) if prog.it % cfg.log_interval == 0 or prog.it == cfg.max_iters else {}
+            scheduled = prog.it % cfg.eval_interval == 0 or prog.it == cfg.max_iters
+            if (at := timed.due(prog.elapsed)) or scheduled:  # timed ones: each rank's own clock, no collective
+                if scheduled:
+                    distributed.check_same_weights(model, prog.it)
+                val = evaluate(model, eval_engine, cfg, data['val'])
                 val = distributed.from_rank0(val) if scheduled else val  # one stop decision for all ranks
-                row = (row or dict(step=it, tokens=tokens, elapsed=elapsed)) | dict(
-                    val_loss=val, val_ppl=math.exp(min(val, 50)))
-            saving = scheduled and (not bad or it == cfg.max_iters)  # not after a dropped step, nor timed evals
-            if saving:  # the run's best, and evaluations since
-                best_due, best_val = val < best_val, min(best_val, val)
-                since_best = 0 if best_due else since_best + 1
-            stop = it >= cfg.max_iters or 0 < cfg.patience <= since_best
-            if row:  # the log first: a resumed run never lacks a row
-                metrics.write(json.dumps(row) + '\n')
-                metrics.flush()
-                if saving:
-                    checkpoint(best=best_due)
-                progress.show(bar, row, cfg.max_iters, rank)  # on the bar, or a line of text
-            eta.say(it, elapsed, out['results'], cfg.batch_size * cfg.block_size, log if rank == 0 else None)
+                row = metrics.with_val(row, prog, val, at)
+            if saving := scheduled and (not bad or prog.it == cfg.max_iters):  # not after a dropped step
+                best_due = prog.evaluated(val)  # the best loss, and evaluations since
+            metrics.write(row)  # the log first: a resumed run never lacks a row
+            if saving:
+                checkpoint(best_due)
+            progress.show(bar, row, cfg.max_iters, rank)  # on the bar, or a line of text
+            eta.say(prog.it, prog.elapsed, out['results'])  # the projected time, said once
             bar.update(1)
-        if it < cfg.max_iters:
-            print(f"step {it}: stopped early, {since_best} evaluations without a lower validation loss (--patience)")
+        if prog.it < cfg.max_iters:
+            print(f"step {prog.it}: stopped early, {prog.since_best} evaluations without a lower validation loss (--patience)")
     except KeyboardInterrupt:  # saved, one line; mid-step it exits now (130), else main does
-        return progress.stop_run(lambda: checkpoint(best_due), f"saved step {it} in {ckpt_path}", in_step, model)
+        return progress.stop_run(lambda: checkpoint(best_due), f"saved step {prog.it} in {ckpt_path}", in_step, model)
     finally:
         bar.close()
         meter.close()
         metrics.close()
-    distributed.leave()
+        distributed.leave()  # torchrun's group, after an end or Ctrl-C
     if cfg.sample_tokens > 0 and rank == 0:  # the run ends holding its best weights, and shows text from them
-        checkpoints.closing_sample(model, ckpt_path, cfg.sample_tokens, device, evaluator.autocast)
+        checkpoints.closing_sample(model, ckpt_path, cfg.sample_tokens, device, eval_engine.autocast)
     return model
 
 

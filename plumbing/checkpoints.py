@@ -25,7 +25,32 @@ from .settings import UserError
 RUN_FILES = ('ckpt.pt', 'ckpt.prev.pt', 'best.pt', 'ckpt.unusable.pt', 'metrics.jsonl')
 CKPT_KEYS = ('model', 'optimizer', 'model_args', 'iter_num', 'tokens', 'elapsed', 'best_val_loss', 'split',
              'loss_scales')
-FRESH = dict(iter_num=0, tokens=0, elapsed=0.0, best_val_loss=float('inf'), evals_since_best=0)  # a new run's counters
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where a run stands: its counters, a new run's by default. A checkpoint holds them by
+    the names in KEYS, as nanoGPT's iter_num and best_val_loss."""
+    it: int = 0  # steps taken
+    tokens: int = 0  # tokens trained on, every rank's
+    elapsed: float = 0.0  # training seconds, evaluations not counted
+    best_val: float = float('inf')  # the lowest validation loss
+    since_best: int = 0  # evaluations since the best
+
+    def stepped(self, tokens, seconds):  # one step more
+        self.it, self.tokens, self.elapsed = self.it + 1, self.tokens + tokens, self.elapsed + seconds
+
+    def evaluated(self, val):
+        """A scheduled evaluation's loss counted: whether it is the run's best so far."""
+        best = val < self.best_val
+        self.best_val, self.since_best = min(self.best_val, val), 0 if best else self.since_best + 1
+        return best
+
+    def done(self, cfg):  # at max_iters, or past --patience
+        return self.it >= cfg.max_iters or 0 < cfg.patience <= self.since_best
+
+
+KEYS = dict(it='iter_num', tokens='tokens', elapsed='elapsed', best_val='best_val_loss', since_best='evals_since_best')
 
 
 def check_out_dir(cfg):
@@ -91,11 +116,13 @@ def restore(cfg, given, path, rank=0, log=print):
     return cfg, restored
 
 
-def state(cfg, model, optimizer, split, engines, **counters):
-    """What a checkpoint holds: weights, AdamW, the run's config, split and loss scales, counters."""
+def state(cfg, model, optimizer, split, engines, run):
+    """What a checkpoint holds: weights, AdamW, the run's config, split and loss scales, and
+    the run's Progress by the names on disk (KEYS)."""
     return dict(model=model.state_dict(), optimizer=optimizer.state_dict(), model_args=dataclasses.asdict(model.config),
                 config=dataclasses.asdict(cfg), split=split.state_dict(),
-                loss_scales={n: e.scaler.scale for n, e in engines.items()}, **counters)
+                loss_scales={n: e.scaler.scale for n, e in engines.items()},
+                **{key: getattr(run, name) for name, key in KEYS.items()})
 
 
 def save_checkpoint(path, obj, best=False):
@@ -209,8 +236,8 @@ def truncate_metrics(path, step):
 
 
 def resume(cfg, given, path, model, optimizer, split, engines, rank):
-    """The counters to start from, FRESH's values: a new run's, or with --resume the checkpoint's
-    (its weights, optimizer state, split and loss scales loaded). Rank 0
+    """The Progress to start from: a new run's, or with --resume the checkpoint's (its weights,
+    optimizer state, split and loss scales loaded). Rank 0
     alone reads the checkpoint (the others may be on machines without it) and under torchrun
     every rank starts from its state: the checkpoint, or rank 0's fresh weights."""
     ck = load_checkpoint(path, 'cpu') if cfg.resume and rank == 0 else None
@@ -227,7 +254,7 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
         raise UserError(f"{path} does not fit this run ({' '.join(str(e).split())[:300]}): give the "
                         "flags of its model, or a new --out_dir") from None
     if not cfg.resume:
-        return tuple(FRESH.values())
+        return Progress()
     if 'ane_fraction' in given and cfg.mode == 'hetero':
         print(f"--ane_fraction {cfg.ane_fraction} given: it replaces the checkpoint's split of the microbatches")
     else:
@@ -241,7 +268,7 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
     if rank == 0:
         truncate_metrics(os.path.join(cfg.out_dir, 'metrics.jsonl'), ck['iter_num'])
     print(f"resumed from the checkpoint of step {ck['iter_num']}")
-    return tuple(ck.get(k, v) for k, v in FRESH.items())
+    return Progress(**{name: ck[key] for name, key in KEYS.items() if key in ck})  # (older ones lack some)
 
 
 def diverged(cfg, it, bad, loss, engines, path):

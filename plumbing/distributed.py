@@ -109,7 +109,12 @@ def check_same_weights(model, it):
 
 
 def leave():
-    if dist.is_initialized():
+    """Leaves the ranks' group, if this process joined one: at a run's end, or after Ctrl-C (every
+    rank gets it). Called in a `finally`, it stays while an error goes up: exit_naming_stopped
+    names the stopped ranks through the group, and leaving an NCCL group that lost a rank can hang."""
+    error = sys.exc_info()[1]  # (what goes up through the caller's finally, if anything)
+    if dist.is_initialized() and (error is None or isinstance(error, KeyboardInterrupt)
+                                  or isinstance(error, SystemExit) and error.code == 130):  # (Ctrl-C mid-step)
         dist.destroy_process_group()
 
 

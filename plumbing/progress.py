@@ -1,14 +1,19 @@
 """
 What a person sees while a run works: a live elapsed time where progress cannot be counted
 (a compile, a first step), the projected time to the end, a log line per logged step, and
-Ctrl-C as one line and exit code 130.
+Ctrl-C as one line and exit code 130. And what the run logs: metrics.jsonl's rows.
 """
 import contextlib
+import json
+import math
 import os
 import signal
 import sys
 import threading
 import time
+
+from .distributed import gather, world
+from .memory import measured
 
 INTERRUPTED = 130  # a shell's code for a process stopped by SIGINT (128 + 2)
 QUIET_ENV = 'HETEROGPT_NO_TICKER'  # set in processes whose parent shows the time
@@ -69,11 +74,12 @@ class Ticker:
 
 class Eta:
     """The run's projected time to max_iters, said once after the first steps: tokens/s from
-    the steps after the first (which compiles and warms up), per engine too."""
+    the steps after the first (which compiles and warms up), per engine too. log: where it is
+    said (None: not on this rank)."""
 
-    def __init__(self, start, total, tok_per_step, after=3):
+    def __init__(self, start, total, tok_per_step, tok_per_microbatch, log=None, after=3):
         self.start, self.total, self.tok, self.after = start, total, tok_per_step, after
-        self.t1, self.said = None, False
+        self.tok_mb, self.log, self.t1, self.said = tok_per_microbatch, log, None, False
 
     def line(self, it, elapsed, engines=None):
         """The projection at step `it` (training seconds `elapsed`), once; else None.
@@ -91,12 +97,75 @@ class Eta:
                 + f"; the {self.total - it:,} steps left to --max_iters {self.total} take {clock(left)} "
                 f"(until about {end}); --patience may stop it sooner")
 
-    def say(self, it, elapsed, results, tok_per_microbatch, log):
-        """line(), from a step's results ({engine: Share}), to log (None: not this rank)."""
-        rates = {n: r.n * tok_per_microbatch / r.seconds for n, r in results.items() if r.seconds}
-        text = self.line(it, elapsed, rates)
-        if text and log:
-            log(text)
+    def say(self, it, elapsed, results):
+        """line(), from a step's results ({engine: Share}), to log."""
+        text = self.line(it, elapsed, {n: rate for n, (rate, _) in shares(results, self.tok_mb).items()})
+        if text and self.log:
+            self.log(text)
+
+
+def shares(results, tok_per_microbatch):
+    """Each engine's tokens/s and mean loss over its share of a step: {engine: (rate, loss)}.
+    The one reader of a step's results."""
+    return {n: (r.n * tok_per_microbatch / r.seconds, r.loss / r.n) for n, r in results.items() if r.seconds}
+
+
+class Metrics:
+    """metrics.jsonl, a row per logged step (rank 0's file; the other ranks' rows go nowhere).
+    Rates are over training time since the row before: evaluations and checkpoints excluded."""
+
+    def __init__(self, path, cfg, device, engines, step, meter, run):
+        self.cfg, self.device, self.engines, self.step, self.meter = cfg, device, engines, step, meter
+        self.file = open(path, 'a')
+        self.last = run.elapsed, run.tokens, meter.joules()  # the last row's clock, tokens and joules
+
+    def row(self, run, lr, out):
+        """A logged step's row: the step's values, and this rank's own; under torchrun, every
+        rank's own, gathered (a collective: every rank calls this at every logged step)."""
+        (t, tokens, joules), cfg, step = self.last, self.cfg, self.step
+        row = dict(step=run.it, loss=out['loss'], lr=lr, tokens=run.tokens,
+                   tokens_per_s=(run.tokens - tokens) / (run.elapsed - t), elapsed=run.elapsed, mode=cfg.mode,
+                   grad_norm=out['grad_norm'], memory=measured(self.device, self.engines.get('ane')))
+        own = dict(ane_microbatches=out['ane_share'], microbatches=step.split.microbatches, dropped=dict(step.dropped),
+                   skipped=step.skipped)
+        for n, (rate, loss) in shares(out['results'], cfg.batch_size * cfg.block_size).items():
+            own |= {f'{n}_tokens_per_s': rate, f'{n}_loss': loss}  # each engine's own mean loss: a check on the other
+        if 'ane' in self.engines:
+            own['loss_scale'] = self.engines['ane'].scaler.scale
+        if (j := self.meter.joules()) is not None:
+            own['joules_per_token'], joules = (j - joules) / (run.tokens - tokens), j
+        self.last = run.elapsed, run.tokens, joules
+        return row | (own if world()[1] == 1 else dict(ranks=gather(own)))
+
+    def with_val(self, row, run, val, at=None):
+        """row, or a row of its own, with an evaluation's loss; at: the --eval_seconds mark due."""
+        return ((row or dict(step=run.it, tokens=run.tokens, elapsed=run.elapsed))
+                | (dict(eval_at_seconds=at) if at else {}) | dict(val_loss=val, val_ppl=math.exp(min(val, 50))))
+
+    def write(self, row):  # a row, if any, flushed: a resumed run reads it
+        if row:
+            self.file.write(json.dumps(row) + '\n')
+            self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+class Every:
+    """--eval_seconds: due(elapsed) gives the first multiple of `seconds` that training time
+    passed since the last call, else None (always None for seconds 0). Counted from 0, so a
+    resumed run is due where the run straight through was."""
+
+    def __init__(self, seconds, elapsed):
+        self.seconds, self.next = seconds, (elapsed // seconds + 1) * seconds if seconds > 0 else 0.0
+
+    def due(self, elapsed):
+        if not (self.seconds > 0 and elapsed >= self.next):
+            return None
+        at = self.next
+        while self.next <= elapsed:
+            self.next += self.seconds
+        return at
 
 
 def no_bar(quiet):
@@ -109,7 +178,9 @@ def first_step(first):
 
 
 def show(bar, row, total, rank=0):
-    """A logged row on the progress bar, or as a line of text where there is none."""
+    """A logged row on the progress bar, or as a line of text where there is none (no row: nothing)."""
+    if not row:
+        return
     bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
                      if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches', 'joules_per_token')})
     if bar.disable and rank == 0:

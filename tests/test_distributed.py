@@ -226,3 +226,45 @@ def test_hung_rank_is_named_after_the_timeout(data_dir, tmp_path):
         procs[1].kill()
         procs[1].communicate()
     ckpt_intact_and_resumable(data_dir, tmp_path)
+
+
+# ---- leaving the group: at Ctrl-C too, never while an error goes up to be named
+
+def rank0_alone(data_dir, out_dir, patch):
+    """hg.main as rank 0 of 1, as torchrun starts it, in a process of its own after `patch` (Python):
+    (its exit code, its stderr, whether it was still in the group as main returned)."""
+    script = (f"import os, sys; sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
+              "import torch.distributed as dist, hetero_gpt as hg, helpers\n" + patch + "\n"
+              "try:\n    hg.main(helpers.flags(*sys.argv[1:], max_iters=2))\n    code = 0\n"
+              "except SystemExit as e:\n    code = e.code\n"
+              "print('joined', dist.is_initialized(), file=sys.stderr, flush=True)\n"
+              "os._exit(code)  # (as the run ends: no process-wide teardown to wait for)\n")
+    env = dict(os.environ, OMP_NUM_THREADS='1', RANK='0', LOCAL_RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1',
+               MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, '-c', script, data_dir, str(out_dir)], cwd=ROOT, env=env, text=True,
+                       capture_output=True, timeout=HANG)
+    return p.returncode, p.stderr, p.stderr.strip().splitlines()[-1] == 'joined True'
+
+
+@pytest.mark.slow  # (a process of its own: seconds of start-up)
+def test_ctrl_c_leaves_the_group_with_exit_code_130_and_its_checkpoint(data_dir, tmp_path):
+    # Ctrl-C between steps (as conftest's ctrl_c): exit code 130, the checkpoint of step 1, and
+    # the group left, as at a run's end
+    code, err, joined = rank0_alone(data_dir, tmp_path, "real = hg.step_batches\n"
+                                    "def batches(cfg, data, it):\n"
+                                    "    if it == 1:\n        raise KeyboardInterrupt\n"
+                                    "    return real(cfg, data, it)\n"
+                                    "hg.step_batches = batches")
+    assert code == 130 and not joined, err
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 1
+
+
+@pytest.mark.slow  # (the stopped ranks are those whose heartbeat stands still for 3 s)
+def test_an_error_keeps_the_group_that_names_the_stopped_ranks(data_dir, tmp_path):
+    # a failed collective goes up through train's finally: the group stays, so main names the
+    # ranks that stopped (none here: the line is the error's), in one line with exit code 1
+    code, err, joined = rank0_alone(data_dir, tmp_path, "def fail(self, microbatches):\n"
+                                    "    raise RuntimeError('a collective failed')\n"
+                                    "hg.HeteroStep.__call__ = fail")
+    assert code == 1 and joined, err
+    assert err.strip().splitlines()[-2] == "error: rank 0: a collective failed" and 'Traceback' not in err, err

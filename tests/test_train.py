@@ -64,6 +64,17 @@ def test_interrupt_then_resume_continues_exactly(data_dir, finished_run, tmp_pat
         assert torch.equal(p, straight[k]), k
 
 
+def test_a_checkpoint_holds_the_counters_by_nanogpts_names(finished_run):
+    # the run's Progress on disk as before (sample.py and older runs read these names): step 10,
+    # its tokens and training time as its last row logged them, the lowest validation loss and
+    # the evaluations since it
+    ck, rows = torch.load(finished_run / 'ckpt.pt', weights_only=True), helpers.rows(finished_run)
+    vals = [r['val_loss'] for r in rows if 'val_loss' in r]
+    assert {k: ck[k] for k in ('iter_num', 'tokens', 'elapsed', 'best_val_loss', 'evals_since_best')} == dict(
+        iter_num=10, tokens=rows[-1]['tokens'], elapsed=rows[-1]['elapsed'], best_val_loss=min(vals),
+        evals_since_best=len(vals) - 1 - vals.index(min(vals)))
+
+
 def test_loss_scales_are_restored_on_resume_unless_given(data_dir, tmp_path, ctrl_c):
     # both engines fp16 (autocast on the CPU, the fp16 stand-in), scales from 8, doubled after
     # every 2 finite steps: 8 16 16 32 | 32 64. Stopped at step 4 and resumed, a run goes on
