@@ -1241,7 +1241,7 @@ def make_optimizer(model, cfg, device):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay},
               {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)  # (MPS: 2.4+)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)  # fused on MPS from torch 2.4
 
 
 @dataclass(frozen=True)
@@ -1268,8 +1268,8 @@ def build_run(cfg, run, log=print, classes=Classes()):
 def setup(cfg, given, log=print):
     """(cfg, Run): the configuration checked, 'auto' resolved for this machine (settings.check)."""
     gpt2, mac = cfg.preset == 'gpt2', MAC_GPT2 if cfg.preset == 'gpt2' or 'n_layer' in given else MAC_DEFAULTS
-    cfg, run = settings.check(cfg, given, {} if gpt2 else CPU_DEFAULTS, mac, log)  # (a model given: Mac's 2x16)
-    if run.device.type == 'cuda':  # as nanoGPT: fp32 matmuls on tensor cores (TF32)
+    cfg, run = settings.check(cfg, given, {} if gpt2 else CPU_DEFAULTS, mac, log)  # a model given takes the Mac's 2x16
+    if run.device.type == 'cuda':  # fp32 matmuls on tensor cores (TF32), as nanoGPT
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return cfg, run
 
@@ -1277,9 +1277,9 @@ def setup(cfg, given, log=print):
 def train(cfg, given=frozenset(), classes=Classes()):
     cfg, rank, _ = distributed.join_ranks(cfg)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    cfg, restored = checkpoints.restore(cfg, given, ckpt_path, rank)  # --resume: the run's own settings
+    cfg, restored = checkpoints.restore(cfg, given, ckpt_path, rank)  # --resume takes the run's own settings
     cfg, init, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given | restored))  # (rank 0 downloads)
-    cfg, run = setup(cfg, given | restored | fixed)  # the flags init fixed, as if given: no machine default for them
+    cfg, run = setup(cfg, given | restored | fixed)  # flags fixed by init count as given
     old_run = checkpoints.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
     data = distributed.rank0_first(lambda: load_data(cfg))  # (rank 0 prepares a set that is missing)
     torch.manual_seed(cfg.seed)
@@ -1301,7 +1301,7 @@ def train(cfg, given=frozenset(), classes=Classes()):
     bar = tqdm(total=cfg.max_iters, initial=prog.it, disable=progress.no_bar(cfg.quiet), dynamic_ncols=True, desc='train')
     bad, best_due, in_step = 0, False, False  # steps in a row without a usable gradient; a best not saved yet
 
-    def checkpoint(best):  # rank 0 writes ckpt.pt; best: best.pt too
+    def checkpoint(best):  # rank 0 writes ckpt.pt, and best.pt if best
         nonlocal best_due
         if rank == 0:
             checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, step.split, engines, prog), best)
@@ -1321,12 +1321,12 @@ def train(cfg, given=frozenset(), classes=Classes()):
                 in_step, out = True, step(microbatches)  # both engines; the mean gradient into p.grad
                 step.update(out, cfg.grad_clip)  # one AdamW step
             prog.stepped(tok_per_step, time.perf_counter() - t0)  # it, tokens, elapsed
-            in_step, bad = False, 0 if out['n'] else bad + 1  # n: usable microbatches, over every rank
-            if cfg.max_bad_steps and bad >= cfg.max_bad_steps:  # diverged: stop, before any checkpoint
+            in_step, bad = False, 0 if out['n'] else bad + 1  # n counts usable microbatches on every rank
+            if cfg.max_bad_steps and bad >= cfg.max_bad_steps:  # diverged, so stop before any checkpoint
                 raise checkpoints.diverged(cfg, prog.it, bad, out['loss'], engines, ckpt_path)
             row = metrics.row(prog, lr, out) if prog.it % cfg.log_interval == 0 or prog.it == cfg.max_iters else {}
             scheduled = prog.it % cfg.eval_interval == 0 or prog.it == cfg.max_iters
-            if (at := timed.due(prog.elapsed)) or scheduled:  # timed ones: each rank's own clock, no collective
+            if (at := timed.due(prog.elapsed)) or scheduled:  # timed ones use each rank's clock, no collective
                 if scheduled:
                     distributed.check_same_weights(model, prog.it)
                 val = evaluate(model, eval_engine, cfg, data['val'])
@@ -1334,7 +1334,7 @@ def train(cfg, given=frozenset(), classes=Classes()):
                 row = metrics.with_val(row, prog, val, at)
             if saving := scheduled and (not bad or prog.it == cfg.max_iters):  # not after a dropped step
                 best_due = prog.evaluated(val)  # the best loss, and evaluations since
-            metrics.write(row)  # the log first: a resumed run never lacks a row
+            metrics.write(row)  # the log first, so a resumed run never lacks a row
             if saving:
                 checkpoint(best_due)
             progress.show(bar, row, cfg.max_iters, rank)  # on the bar, or a line of text
@@ -1363,13 +1363,13 @@ def main(argv=None, run=train, cls=Config, description=None):
     """Parses the flags (of cls) and runs `run(cfg, given)`; a UserError is one line, exit 2; Ctrl-C, exit 130."""
     cfg, given = parse_args(argv, cls, *([description] if description else []))
     try:
-        with progress.ctrl_c_exits():  # Ctrl-C: one line, exit code 130
+        with progress.ctrl_c_exits():  # Ctrl-C prints one line, exits 130
             return run(cfg, given)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except RuntimeError as e:  # under torchrun: one line that names the ranks that stopped the run
-        distributed.exit_naming_stopped(e, cfg.dist_timeout)  # (without torchrun: raises e)
+    except RuntimeError as e:  # under torchrun, one line names the stopped ranks
+        distributed.exit_naming_stopped(e, cfg.dist_timeout)  # without torchrun it raises e
 
 
 if __name__ == '__main__':
