@@ -89,6 +89,7 @@ def train_through_core_ml(cwd, *flags, **switches):
     return mac([os.path.join(ROOT, 'hetero_gpt.py'), *TRAIN, *flags], cwd, **switches)
 
 
+@pytest.mark.slow  # two processes that import coremltools, then a trainer; parts' tests are the fast Core ML ones
 def test_training_on_both_engines_through_core_ml(shakespeare, exported, tmp_path):
     # hetero by default: the ANE's share in its worker, through CompiledMLModel from the
     # compile cache, never retired; its first step's loss is the GPU-only run's (the same
@@ -671,7 +672,7 @@ def test_core_ml_errors_in_one_line():
     assert settings.one_line(nested) == 'RuntimeError: The "head" failed.'
 
 
-@pytest.mark.slow  # a second trainer through Core ML: test_training_on_both_engines_through_core_ml is the fast one
+@pytest.mark.slow  # a second trainer through Core ML, beside test_training_on_both_engines_through_core_ml
 def test_fine_tuning_gpt2_through_core_ml_then_sampling(shakespeare, tmp_path):
     # a tiny GPT-2 written by Hugging Face's code, aligned as the ANE needs; the Mac's default
     # run fine-tunes it on both engines, its programs exported and compiled for that size
