@@ -984,7 +984,7 @@ class Split:
 
     def share_now(self, alive):
         """The ANE's share, given which engines are alive."""
-        return {frozenset({'gpu'}): 0, frozenset({'ane'}): self.microbatches}.get(frozenset(alive), self.ane_share)
+        return 0 if alive == {'gpu'} else self.microbatches if alive == {'ane'} else self.ane_share
 
     def worth_probing(self, idle, busy):  # one microbatch of idle within two whole steps of busy
         return self.sec_per_microbatch.get(idle, 0) <= 2 * self.microbatches * self.sec_per_microbatch.get(busy, 0)
@@ -1013,8 +1013,8 @@ class Split:
             for name, r in results.items():
                 s, old = r.seconds / r.n, self.sec_per_microbatch.get(name)
                 self.sec_per_microbatch[name] = s if old is None else 0.5 * old + 0.5 * s
-            r_gpu, r_ane = (1 / self.sec_per_microbatch[name] for name in ('gpu', 'ane'))
             if self.auto:
+                r_gpu, r_ane = (1 / self.sec_per_microbatch[name] for name in ('gpu', 'ane'))
                 self.ane_share = min(self.microbatches, max(0, round(self.microbatches * r_ane / (r_gpu + r_ane))))
         if ane_share < self.microbatches:
             key, s = 'both' if ane_share else 'alone', max(r.seconds for r in results.values()) / self.microbatches
@@ -1166,9 +1166,7 @@ class HeteroStep:
         """One AdamW step from the mean gradient, clipped to norm grad_clip if > 0."""
         norm = math.nan
         if out['n']:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params.values()])
-            if grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(self.params.values(), grad_clip, norm)
+            norm = self.clip(grad_clip)
             if norm.isfinite():  # finite shares can still sum past fp32's range
                 self.optimizer.step()
             else:
@@ -1177,6 +1175,13 @@ class HeteroStep:
         self.optimizer.zero_grad(set_to_none=True)
         out['grad_norm'] = float(norm)  # before clipping
         return out
+
+    def clip(self, grad_clip):
+        """The mean gradient's norm, read on the device; then clipped to grad_clip if > 0."""
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.params.values()])
+        if grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params.values(), grad_clip, norm)
+        return norm
 
 
 # -----------------------------------------------------------------------------

@@ -261,9 +261,7 @@ class NoWaitStep(hg.HeteroStep):
         if self.pending is None:
             return super().update(out, grad_clip)
         share, self.pending = self.pending, None
-        norm = torch.nn.utils.get_total_norm([p.grad for p in self.params.values()])
-        if grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params.values(), grad_clip, norm)
+        norm = self.clip(grad_clip)
         self.optimizer.found_inf = (~norm.isfinite()).float()
         try:
             self.optimizer.step()
