@@ -116,13 +116,13 @@ def restore(cfg, given, path, rank=0, log=print):
     return cfg, restored
 
 
-def state(cfg, model, optimizer, split, engines, run):
+def state(cfg, model, optimizer, split, engines, prog):
     """What a checkpoint holds: weights, AdamW, the run's config, split and loss scales, and
     the run's Progress by the names on disk (KEYS)."""
     return dict(model=model.state_dict(), optimizer=optimizer.state_dict(), model_args=dataclasses.asdict(model.config),
                 config=dataclasses.asdict(cfg), split=split.state_dict(),
                 loss_scales={n: e.scaler.scale for n, e in engines.items()},
-                **{key: getattr(run, name) for name, key in KEYS.items()})
+                **{key: getattr(prog, name) for name, key in KEYS.items()})
 
 
 def save_checkpoint(path, obj, best=False):

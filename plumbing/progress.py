@@ -114,17 +114,17 @@ class Metrics:
     """metrics.jsonl, a row per logged step (rank 0's file; the other ranks' rows go nowhere).
     Rates are over training time since the row before: evaluations and checkpoints excluded."""
 
-    def __init__(self, path, cfg, device, engines, step, meter, run):
+    def __init__(self, path, cfg, device, engines, step, meter, prog):
         self.cfg, self.device, self.engines, self.step, self.meter = cfg, device, engines, step, meter
         self.file = open(path, 'a')
-        self.last = run.elapsed, run.tokens, meter.joules()  # the last row's clock, tokens and joules
+        self.last = prog.elapsed, prog.tokens, meter.joules()  # the last row's clock, tokens and joules
 
-    def row(self, run, lr, out):
+    def row(self, prog, lr, out):
         """A logged step's row: the step's values, and this rank's own; under torchrun, every
         rank's own, gathered (a collective: every rank calls this at every logged step)."""
         (t, tokens, joules), cfg, step = self.last, self.cfg, self.step
-        row = dict(step=run.it, loss=out['loss'], lr=lr, tokens=run.tokens,
-                   tokens_per_s=(run.tokens - tokens) / (run.elapsed - t), elapsed=run.elapsed, mode=cfg.mode,
+        row = dict(step=prog.it, loss=out['loss'], lr=lr, tokens=prog.tokens,
+                   tokens_per_s=(prog.tokens - tokens) / (prog.elapsed - t), elapsed=prog.elapsed, mode=cfg.mode,
                    grad_norm=out['grad_norm'], memory=measured(self.device, self.engines.get('ane')))
         own = dict(ane_microbatches=out['ane_share'], microbatches=step.split.microbatches, dropped=dict(step.dropped),
                    skipped=step.skipped)
@@ -133,13 +133,13 @@ class Metrics:
         if 'ane' in self.engines:
             own['loss_scale'] = self.engines['ane'].scaler.scale
         if (j := self.meter.joules()) is not None:
-            own['joules_per_token'], joules = (j - joules) / (run.tokens - tokens), j
-        self.last = run.elapsed, run.tokens, joules
+            own['joules_per_token'], joules = (j - joules) / (prog.tokens - tokens), j
+        self.last = prog.elapsed, prog.tokens, joules
         return row | (own if world()[1] == 1 else dict(ranks=gather(own)))
 
-    def with_val(self, row, run, val, at=None):
+    def with_val(self, row, prog, val, at=None):
         """row, or a row of its own, with an evaluation's loss; at: the --eval_seconds mark due."""
-        return ((row or dict(step=run.it, tokens=run.tokens, elapsed=run.elapsed))
+        return ((row or dict(step=prog.it, tokens=prog.tokens, elapsed=prog.elapsed))
                 | (dict(eval_at_seconds=at) if at else {}) | dict(val_loss=val, val_ppl=math.exp(min(val, 50))))
 
     def write(self, row):  # a row, if any, flushed: a resumed run reads it

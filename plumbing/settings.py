@@ -331,8 +331,8 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print):
     ane_dev = device if cfg.ane_device == 'auto' or ON_MAC else resolve_device(cfg.ane_device, '--ane_device')
     ane_dtype = torch.float16 if ON_MAC else resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
     in_worker = cfg.ane_worker and (ON_MAC or ane_dev.type == 'cpu')  # out of this process's GIL
-    run = Run(cfg.mode, device, dtype, ane_dev, ane_dtype, in_worker, ON_MAC or cfg.ane_evaluator == 'numpy',
-              ane_batch(cfg), fraction)
+    run = Run(cfg.mode, device, dtype, ane_dev, ane_dtype, ane_in_worker=in_worker,
+              ane_programs=ON_MAC or cfg.ane_evaluator == 'numpy', ane_batch=ane_batch(cfg), ane_fraction=fraction)
     if device.type == 'mps' and cfg.mode != 'ane':
         check_mps(dtype, cfg.compile)
     if ON_MAC and cfg.mode != 'gpu':

@@ -23,7 +23,8 @@ if __name__ == '__main__':
     with open('/proc/self/clear_refs', 'w') as f:  # the peak from here on (importing a CUDA build peaks higher)
         f.write('5')
     cpu = torch.device('cpu')
-    run = settings.Run('gpu', cpu, torch.float32, cpu, torch.float16, False, False, settings.ane_batch(cfg), 0.0)
+    run = settings.Run('gpu', cpu, torch.float32, cpu, torch.float16, ane_in_worker=False, ane_programs=False,
+                       ane_batch=settings.ane_batch(cfg), ane_fraction=0.0)
     model, opt, engines, step, meter = hg.build_run(cfg, run, log=lambda s: None)
     for _ in range(3):
         step.update(step(batch))

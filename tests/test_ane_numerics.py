@@ -232,7 +232,8 @@ def test_ane_loss_scale_starts_at_256_and_stops_short_of_saturation():
     cfg = hg.Config(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, ane_worker=False)
     model = hg.GPT(hg.model_config(cfg))
     cpu = torch.device('cpu')
-    run = settings.Run('hetero', cpu, torch.float32, cpu, torch.float16, False, False, settings.ane_batch(cfg))
+    run = settings.Run('hetero', cpu, torch.float32, cpu, torch.float16, ane_in_worker=False, ane_programs=False,
+                       ane_batch=settings.ane_batch(cfg))
     engines = hg.build_engines(cfg, model, run, log=lambda s: None)
     assert engines['ane'].scaler.scale == 256.0 and engines['ane'].scaler.limit == programs.ANE_OVERFLOW / 2
     s = hg.LossScaler(256.0, 1, limit=programs.ANE_OVERFLOW / 2)

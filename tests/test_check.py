@@ -255,7 +255,8 @@ def test_preflight_refuses_what_will_not_fit_and_warns_near_it(monkeypatch):
     said = []
     monkeypatch.setattr(memory, 'total_memory', lambda: int(need / 0.8))
     cpu = torch.device('cpu')
-    run = settings.Run('hetero', cpu, torch.float32, cpu, torch.float16, False, True, settings.ane_batch(cfg))
+    run = settings.Run('hetero', cpu, torch.float32, cpu, torch.float16, ane_in_worker=False, ane_programs=True,
+                       ane_batch=settings.ane_batch(cfg))
     memory.preflight(cfg, run, hg.model_sizes(cfg), log=said.append)
     assert len(said) == 1 and 'may swap' in said[0]
     monkeypatch.setattr(memory, 'total_memory', lambda: int(need / 1.5))

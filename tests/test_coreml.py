@@ -233,7 +233,8 @@ def test_trainer_exports_once_and_reuses(tmp_path, monkeypatch):
                             '--vocab_size', '100', '--batch_size', '6', '--out_dir', str(tmp_path),
                             '--ane_evaluator', 'numpy'])
     cpu = torch.device('cpu')
-    run = lambda cfg: settings.Run('ane', cpu, torch.float32, cpu, torch.float16, False, True, settings.ane_batch(cfg))
+    run = lambda cfg: settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=False, ane_programs=True,
+                                   ane_batch=settings.ane_batch(cfg))
     ensure_programs = lambda cfg, log: hg.ane_spec(cfg, run(cfg), log)['programs']
     path = ensure_programs(cfg, log=said.append)
     assert path == str(tmp_path / 'ane_B3_T8')  # the largest divisor of 6 up to ANE_BATCH = 4

@@ -162,7 +162,8 @@ def test_memory_estimate_item_by_item_for_gpt2_on_a_mac(monkeypatch):
     monkeypatch.setattr(memory, 'total_memory', lambda: 16 * GIB)
     said = []
     mps = torch.device('mps')
-    run = settings.Run('hetero', mps, torch.float32, mps, torch.float16, True, True, settings.ane_batch(cfg))
+    run = settings.Run('hetero', mps, torch.float32, mps, torch.float16, ane_in_worker=True, ane_programs=True,
+                       ane_batch=settings.ane_batch(cfg))
     memory.preflight(cfg, run, hg.model_sizes(cfg), log=said.append)
     assert len(said) == 1 and 'may swap' in said[0]
 

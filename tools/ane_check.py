@@ -545,7 +545,8 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     ane_cfg = hg.Config(**dataclasses.asdict(cfg), batch_size=ane_microbatch, ane_batch_size=ane_batch,
                         ane_programs=program_dir or '')
     # the worker: Core ML's programs on a Mac, else the eager derivation (settings.check's choice)
-    run = settings.Run('hetero', device, dtype, torch.device('cpu'), getattr(torch, ane_dtype), True, hg.ON_MAC, ane_batch)
+    run = settings.Run('hetero', device, dtype, torch.device('cpu'), getattr(torch, ane_dtype), ane_in_worker=True,
+                       ane_programs=hg.ON_MAC, ane_batch=ane_batch)
     cores = worker.share_cores(gpu_on_cpu=device.type == 'cpu')  # (this process's threads, as training sets them)
     spec = hg.ane_spec(ane_cfg, run) | dict(threads=threads or cores)
     w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
