@@ -94,9 +94,9 @@ class PowermetricsMeter:
             raise OSError(f"powermetrics gave no samples ({PowermetricsMeter.refused})")
         # -b 1: line-buffered, or a pipe would hold many samples back
         self.err = tempfile.TemporaryFile('w+')  # (a pipe nobody reads could fill and stop it)
-        # stdin: not the terminal, which sudo's pty would relay to powermetrics. A session of its
-        # own: sudo forwards no signal sent from the group it started in (sudo's src/exec_nopty.c,
-        # signal_cb_nopty), so close()'s SIGTERM would not reach powermetrics from ours
+        # stdin: not the terminal, which sudo's pty would relay to powermetrics. A process group of
+        # its own (setsid): sudo forwards no signal sent from the group it started in (sudo's
+        # src/exec_nopty.c, signal_cb_nopty), so close()'s SIGTERM would not reach powermetrics from ours
         self.proc = subprocess.Popen(POWERMETRICS + ['-i', str(interval_ms), '-b', '1'], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=self.err, text=True, start_new_session=True)
         self.name = "powermetrics (CPU+GPU+ANE)"
