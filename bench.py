@@ -89,6 +89,17 @@ def bench_mode(cfg, run, data, init, tok_per_step, n_tok, ticker, classes):
             torch.mps.empty_cache()
 
 
+def compare(rows):
+    """The paper's ratios: each mode's (tokens/s over GPU-only's, energy per token against
+    GPU-only's in percent, None without a meter), and hetero's tokens/s over the sum of the
+    two engines' alone (1.0: the engines overlap perfectly)."""
+    g = rows['gpu']
+    against_gpu = {mode: (r['tok_s'] / g['tok_s'],
+                          100 * (r['j_tok'] / g['j_tok'] - 1) if r['j_tok'] is not None and g['j_tok'] else None)
+                   for mode, r in rows.items()}
+    return against_gpu, rows['hetero']['tok_s'] / (g['tok_s'] + rows['ane']['tok_s'])
+
+
 def bench(cfg, given):
     """Each mode in turn (gpu, ane, hetero) is built, warmed up, timed for bench_repeats rounds
     (its median round reported) and freed before the next: on a Mac the three at once would
@@ -121,14 +132,14 @@ def bench(cfg, given):
         print(f"  {mode}: {r['tok_s']:,.0f} tokens/s (rounds: {', '.join(f'{x:,}' for x in r['rounds'])}), "
               f"{r['ms_step']:.4g} ms a step ({', '.join(f'{n} {v:.4g} ms' for n, v in r['ms_engines'].items())} "
               f"in parallel), split {r['split']}, {r['engines']}", flush=True)
-    g = rows['gpu']
+    g, (against_gpu, overlap) = rows['gpu'], compare(rows)
     print(f"\n{'mode':8} {'tokens/s':>10} {'x GPU-only':>10} {'J/token':>10} {'energy vs GPU':>14}  ANE share")
     for mode, r in rows.items():
+        x, dj = against_gpu[mode]
         jt = f"{r['j_tok']:.4g}" if r['j_tok'] is not None else 'n/a'
-        dj = f"{100 * (r['j_tok'] / g['j_tok'] - 1):+.1f}%" if r['j_tok'] and g['j_tok'] else 'n/a'
-        print(f"{mode:8} {r['tok_s']:10.0f} {r['tok_s'] / g['tok_s']:10.3f} {jt:>10} {dj:>14}  {r['split']}")
-    s = rows['gpu']['tok_s'] + rows['ane']['tok_s']
-    print(f"hetero / (gpu + ane alone) = {rows['hetero']['tok_s'] / s:.3f} (the share of the two engines' summed "
+        dj = f"{dj:+.1f}%" if dj is not None else 'n/a'
+        print(f"{mode:8} {r['tok_s']:10.0f} {x:10.3f} {jt:>10} {dj:>14}  {r['split']}")
+    print(f"hetero / (gpu + ane alone) = {overlap:.3f} (the share of the two engines' summed "
           f"speeds that hetero reaches, 1.0 a perfect overlap; medians of {cfg.bench_repeats} rounds of "
           f"{cfg.bench_iters} steps per mode)" + ('' if g['j_tok'] else "; J/token n/a: no energy meter here "
                                                   "(on a Mac, powermetrics needs `sudo -v` first)"))

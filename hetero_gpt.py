@@ -1166,14 +1166,14 @@ class HeteroStep:
         """One AdamW step from the mean gradient, clipped to norm grad_clip if > 0."""
         norm = math.nan
         if out['n']:
-            norm = self.clip(grad_clip)
-            if norm.isfinite():  # finite shares can still sum past fp32's range
+            norm = float(self.clip(grad_clip))  # the host reads it before the update, not after
+            if math.isfinite(norm):  # finite shares can still sum past fp32's range
                 self.optimizer.step()
             else:
                 self.skipped += 1
                 out |= dict(loss=math.nan, n=0, used=[])
         self.optimizer.zero_grad(set_to_none=True)
-        out['grad_norm'] = float(norm)  # before clipping
+        out['grad_norm'] = norm  # before clipping
         return out
 
     def clip(self, grad_clip):

@@ -487,24 +487,58 @@ def test_bench_times_every_mode_in_turns(data_dir, capsys, monkeypatch):
     # the test's (each reading 1 s later: the warm-up's 3 s pass in 7 steps, a round of 2 steps
     # takes 5 readings, so 2 * 64 tokens / 5 s): each mode gets bench_repeats timed rounds, the
     # table names them all with the ratios of their rates, and hetero's row says how its step
-    # split and where its time went (each engine's own seconds: the real clock)
+    # split and where its time went (each engine's own seconds: the real clock). The meter
+    # draws a constant power per mode on that clock, so J/token is watts over tokens/s
     import bench
-    monkeypatch.setattr(bench, 'time', Clock(tick=1.0))
+    clock, watts = Clock(tick=1.0), iter([10.0, 4.0, 12.0])  # gpu, ane, hetero: built in turn
+
+    class PowerMeter:
+        name, missing, meters = 'constant power', [], [1]
+
+        def __init__(self, devices):
+            self.watts = next(watts)
+
+        def joules(self):  # read without moving the clock: the round's joules are watts * its seconds
+            return self.watts * getattr(clock.local, 't', 0.0)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, 'time', clock)
+    monkeypatch.setattr(hg.energy, 'EnergyMeter', PowerMeter)
     cfg, given = hg.parse_args(helpers.flags(data_dir, bench_iters=2, bench_repeats=2, ane_fraction=0.5),
                                bench.BenchConfig)
     rows = bench.bench(cfg, given)
     assert set(rows) == {'gpu', 'ane', 'hetero'}
     for mode, r in rows.items():
         assert r['rounds'] == [26, 26] and r['tok_s'] == 2 * 64 / 5 and r['ms_step'] == 1000.0
+    # 10 W at 25.6 tokens/s; rel 1e-12: a few fp64 roundings of sums of whole seconds
+    assert [rows[m]['j_tok'] for m in ('gpu', 'ane', 'hetero')] == pytest.approx([10 / 25.6, 4 / 25.6, 12 / 25.6], rel=1e-12)
     assert {m: set(r['ms_engines']) for m, r in rows.items()} == {'gpu': {'gpu'}, 'ane': {'ane'}, 'hetero': {'gpu', 'ane'}}
     assert all(v > 0 for r in rows.values() for v in r['ms_engines'].values())
     assert rows['hetero']['split'] == '1/2' and rows['gpu']['split'] == rows['ane']['split'] == '-'
     out = capsys.readouterr().out
     table = {line.split()[0]: line.split() for line in out[out.index('x GPU-only'):].splitlines()[1:4]}
-    for mode, r in rows.items():
-        assert table[mode][1:3] == ['26', '1.000'] and table[mode][5:] == [r['split']]
-        assert table[mode][3] == ('n/a' if r['j_tok'] is None else f"{r['j_tok']:.4g}")
+    assert {m: t[1:] for m, t in table.items()} == {'gpu': ['26', '1.000', '0.3906', '+0.0%', '-'],
+                                                    'ane': ['26', '1.000', '0.1562', '-60.0%', '-'],
+                                                    'hetero': ['26', '1.000', '0.4688', '+20.0%', '1/2']}
     assert 'hetero / (gpu + ane alone) = 0.500 ' in out
+
+
+def test_bench_ratios_are_the_papers():
+    # the paper's M4 Pro row as bench.py's rows: hetero at 1.419x GPU-only's tokens/s and
+    # 30.9% less energy per token; the ANE alone at 600 tokens/s, so hetero reaches
+    # 1419 / 1600 of the two engines' summed speeds. Without a meter: no energy column
+    import bench
+    rows = dict(gpu=dict(tok_s=1000.0, j_tok=0.01), ane=dict(tok_s=600.0, j_tok=0.004),
+                hetero=dict(tok_s=1419.0, j_tok=0.00691))
+    against_gpu, overlap = bench.compare(rows)
+    assert against_gpu['hetero'] == pytest.approx((1.419, -30.9), rel=1e-12)  # fp64 quotients
+    assert against_gpu['ane'] == pytest.approx((0.6, -60.0), rel=1e-12) and against_gpu['gpu'] == (1.0, 0.0)
+    assert overlap == pytest.approx(1419 / 1600, rel=1e-15)
+    for r in rows.values():
+        r['j_tok'] = None
+    assert bench.compare(rows)[0]['hetero'] == (1.419, None)
 
 
 def test_padded_lm_head_under_autocast_is_gpt2s():
