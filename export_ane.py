@@ -35,7 +35,7 @@ def export_programs(cfg, B, T, path, whole_step=False):
 def open_programs(path, predict=None, scaler=None):
     """A CoreMLEngine on the programs in path (Core ML on a Mac, the NumPy evaluator elsewhere),
     or on another predict(piece, inputs) -> outputs."""
-    engine = hg.ane_engine(dict(programs=path), scaler)
+    engine = hg.coreml_engine(path, scaler)
     engine.predict = predict or engine.predict
     return engine
 

@@ -915,31 +915,47 @@ class CoreMLEngine(Engine):
         return out | {'d_x0': self.dy}
 
 
-def ane_spec(cfg, run, log=print):
-    """What builds the ANE engine (ane_engine), in plain values a worker process can take: the
-    programs (exported now if they are not there yet), or the derivation in PyTorch."""
+@dataclass(frozen=True)
+class AneSpec:
+    """What builds the ANE engine (ane_engine): plain values that a worker process can take."""
+    cfg: GPTConfig
+    T: int  # tokens a sequence
+    max_batch: int  # sequences a call may take
+    dtype: torch.dtype = torch.float32  # the eager derivation's, where there are no programs
+    programs: str = None  # the exported programs' folder; None: the eager derivation
+    evaluator: str = 'eager'  # what runs the programs: 'coreml' on a Mac, else 'numpy'; or none
+    threads: int = 1  # the worker process's CPU threads
+
+    @property
+    def shapes(self):  # each weight's, for the worker's buffers
+        return {k: tuple(p.shape) for k, p in gpt_param_shapes(self.cfg).items()}
+
+
+def ane_spec(cfg, run, threads=1, log=print):
+    """The run's AneSpec: its programs (exported now if not there yet), or the derivation."""
     mcfg, B, T = model_config(cfg), run.ane_batch, cfg.block_size
-    evaluator = 'coreml' if ON_MAC else cfg.ane_evaluator
+    if not run.ane_programs:
+        return AneSpec(mcfg, T, cfg.batch_size, run.ane_dtype, threads=threads)
     path = cfg.ane_programs or os.path.join(cfg.out_dir, f'ane_B{B}_T{T}')
-    if run.ane_programs:
-        path = programs.ensure(path, mcfg, B, T, build_coreml_program, ANE_PIECES, bool(cfg.ane_programs), log)
-    return dict(cfg=dataclasses.asdict(mcfg), shapes={k: tuple(p.shape) for k, p in gpt_param_shapes(mcfg).items()},
-                T=T, max_batch=cfg.batch_size, evaluator=evaluator, dtype=str(run.ane_dtype).split('.')[-1],
-                programs=path if run.ane_programs else None)
+    path = programs.ensure(path, mcfg, B, T, build_coreml_program, ANE_PIECES, bool(cfg.ane_programs), log)
+    return AneSpec(mcfg, T, cfg.batch_size, run.ane_dtype, path, 'coreml' if ON_MAC else cfg.ane_evaluator, threads)
+
+
+def coreml_engine(path, scaler=None):
+    """A CoreMLEngine on the programs exported to path: Core ML on a Mac, else the NumPy evaluator."""
+    meta = programs.read_meta(path)
+    cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
+    label = f"Core ML programs {path}" + (f" ({programs.load_summary()})" if ON_MAC else ' (NumPy evaluator)')
+    return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'], coreml_predict_fn(path, meta['pieces']),
+                        meta['pieces'], scaler or LossScaler(1.0, 0, enabled=False), label)
 
 
 def ane_engine(spec, scaler=None):
-    """The ANE engine a spec describes: a CoreMLEngine on the programs in spec['programs'] (Core
-    ML on a Mac, the NumPy evaluator elsewhere), else the eager derivation on the CPU. Built
-    here, or in the worker process, which calls this function with the spec."""
-    scaler = scaler or LossScaler(1.0, 0, enabled=False)
-    if not spec.get('programs'):
-        return EagerEngine(GPTConfig(**spec['cfg']), torch.device('cpu'), getattr(torch, spec['dtype']), scaler)
-    meta = programs.read_meta(spec['programs'])
-    cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
-    predict = coreml_predict_fn(spec['programs'], meta['pieces'])
-    label = f"Core ML programs {spec['programs']}" + (f" ({programs.load_summary()})" if ON_MAC else ' (NumPy evaluator)')
-    return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'], predict, meta['pieces'], scaler, label)
+    """The ANE engine an AneSpec describes: on its programs, else the eager derivation on the
+    CPU. Built here, or in the worker process, which calls this function with the spec."""
+    if spec.programs:
+        return coreml_engine(spec.programs, scaler)
+    return EagerEngine(spec.cfg, torch.device('cpu'), spec.dtype, scaler or LossScaler(1.0, 0, enabled=False))
 
 
 def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine):
@@ -952,10 +968,10 @@ def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine):
         scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=run.ane_dtype == torch.float16,
                             limit=ANE_OVERFLOW / 2)
         if run.ane_in_worker:
-            spec = ane_spec(cfg, run, log) | dict(threads=worker.share_cores(run.device.type == 'cpu'))
+            spec = ane_spec(cfg, run, worker.share_cores(run.device.type == 'cpu'), log)
             engines['ane'] = worker.WorkerEngine(spec, ane_engine, scaler, log, load_timeout=cfg.ane_load_timeout)
         elif run.ane_programs:  # in this process, GIL-bound on a Mac
-            engines['ane'] = ane_engine(ane_spec(cfg, run, log), scaler)
+            engines['ane'] = ane_engine(ane_spec(cfg, run, log=log), scaler)
         else:
             engines['ane'] = eager_engine(model.config, run.ane_device, run.ane_dtype, scaler)
             if run.mode == 'hetero' and run.ane_device.type == 'cpu' and run.device.type != 'cpu':

@@ -2,7 +2,6 @@
 minus the worker's own, for a tiny model (grads of a 100-token vocabulary) and for
 gradients of 13 MiB (GPT-2's vocabulary), at several worker thread counts; and the time
 to copy those gradients out of shared memory.   python -m benchmarks.exchange_probe"""
-import dataclasses
 import time
 
 import numpy as np
@@ -14,8 +13,7 @@ from plumbing import worker
 if __name__ == '__main__':
     for V, thr in ((100, 1), (50257, 1), (50257, 2), (50257, 8)):
         cfg = hg.GPTConfig(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=64)
-        spec = dict(cfg=dataclasses.asdict(cfg), shapes={k: tuple(p.shape) for k, p in hg.gpt_param_shapes(cfg).items()},
-                    B=1, T=64, max_batch=1, evaluator='eager', dtype='float32', threads=thr, programs=None)
+        spec = hg.AneSpec(cfg, T=64, max_batch=1, threads=thr)
         w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
         w.load_weights(dict(hg.GPT(cfg).named_parameters()))
         b = tuple(torch.randint(0, V, (1, 64)) for _ in range(2))

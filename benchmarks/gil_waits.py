@@ -25,8 +25,7 @@ if __name__ == '__main__':
     p.set_defaults(block_size=64)
     cfg = hg.GPTConfig(**{f.name: getattr(p.parse_args(), f.name) for f in dataclasses.fields(hg.GPTConfig)})
     torch.set_num_threads(1)
-    spec = dict(cfg=dataclasses.asdict(cfg), shapes={k: tuple(p.shape) for k, p in hg.gpt_param_shapes(cfg).items()},
-                B=1, T=cfg.block_size, max_batch=1, evaluator='eager', dtype='float32', threads=1, programs=None)
+    spec = hg.AneSpec(cfg, T=cfg.block_size, max_batch=1)
     w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
     sys.setswitchinterval(interval := 0.02)  # (after the worker's start, which sets its own)
     params = dict(hg.GPT(cfg).named_parameters())

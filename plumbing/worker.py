@@ -137,8 +137,8 @@ def serve(conn, names, spec, make):
     """The worker's loop: ('run', b, loss scale, new weights?) -> ('done', loss, peak, seconds, max_rss)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the trainer stops the worker
     try:
-        torch.set_num_threads(spec['threads'])
-        bufs = Buffers(spec['shapes'], spec['max_batch'], spec['T'], names)
+        torch.set_num_threads(spec.threads)
+        bufs = Buffers(spec.shapes, spec.max_batch, spec.T, names)
         engine = make(spec)
         params = {k: torch.from_numpy(v) for k, v in bufs.w.items()}
         conn.send(('ready', f"{engine.label} in worker process {os.getpid()}"))
@@ -189,10 +189,10 @@ class WorkerEngine:
     def __init__(self, spec, make, scaler, log=print, load_timeout=3600.0, timeout_factor=10.0, min_timeout=60.0):
         self.scaler, self.spec = scaler, spec
         self.load_timeout, self.factor, self.min_timeout = load_timeout, timeout_factor, min_timeout
-        self.label, self.new_weights = f"ANE worker ({spec['evaluator']})", False
+        self.label, self.new_weights = f"ANE worker ({spec.evaluator})", False
         self.seconds, self.slowest = None, 0.0  # the worker's seconds, last call and slowest per sequence
         self.max_rss = None  # the worker's peak resident memory, bytes
-        self.bufs = Buffers(spec['shapes'], spec['max_batch'], spec['T'])
+        self.bufs = Buffers(spec.shapes, spec.max_batch, spec.T)
         ctx = multiprocessing.get_context('spawn')
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=serve, args=(child, self.bufs.names, spec, make), name='ane-worker', daemon=True)
@@ -220,7 +220,7 @@ class WorkerEngine:
     def load_weights(self, params):
         w = self.bufs.w
         if {k: tuple(p.shape) for k, p in params.items()} != {k: v.shape for k, v in w.items()}:
-            raise UserError(f"the ANE worker was started for another model ({self.spec['cfg']})")
+            raise UserError(f"the ANE worker was started for another model ({self.spec.cfg})")
         # once per step, one call that releases the GIL once, not once per tensor
         # PyTorch's source and the GIL waits are in benchmarks/RESULTS.md section 15
         with torch.no_grad():
@@ -229,8 +229,8 @@ class WorkerEngine:
 
     def loss_and_grads(self, idx, targets):
         b, t = idx.shape
-        if b > self.spec['max_batch'] or t != self.spec['T']:
-            raise UserError(f"the ANE worker takes up to {self.spec['max_batch']}x{self.spec['T']} tokens a "
+        if b > self.spec.max_batch or t != self.spec.T:
+            raise UserError(f"the ANE worker takes up to {self.spec.max_batch}x{self.spec.T} tokens a "
                                f"call, not {b}x{t}")
         if self.proc is None or not self.proc.is_alive():
             raise self._fault("is not running (it stopped at an earlier fault)" if self.proc is None else
@@ -256,7 +256,7 @@ class WorkerEngine:
         # and taking it back beside a busy thread waits a switch interval
         # from_numpy and views keep the GIL (benchmarks/RESULTS.md section 15)
         torch.from_numpy(flat).copy_(torch.from_numpy(self.bufs.flat['g']))
-        return torch.tensor(loss), {k: torch.from_numpy(v) for k, v in views(flat, self.spec['shapes']).items()}
+        return torch.tensor(loss), {k: torch.from_numpy(v) for k, v in views(flat, self.spec.shapes).items()}
 
     def _wait(self, timeout, what):
         """The worker's answer, waiting without the GIL (a pipe's poll); a fault if none comes."""

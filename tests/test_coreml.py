@@ -235,7 +235,7 @@ def test_trainer_exports_once_and_reuses(tmp_path, monkeypatch):
     cpu = torch.device('cpu')
     run = lambda cfg: settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=False, ane_programs=True,
                                    ane_batch=settings.ane_batch(cfg))
-    ensure_programs = lambda cfg, log: hg.ane_spec(cfg, run(cfg), log)['programs']
+    ensure_programs = lambda cfg, log: hg.ane_spec(cfg, run(cfg), log=log).programs
     path = ensure_programs(cfg, log=said.append)
     assert path == str(tmp_path / 'ane_B3_T8')  # the largest divisor of 6 up to ANE_BATCH = 4
     spec = tmp_path / 'ane_B3_T8' / 'head.mlpackage' / 'Data' / 'com.apple.CoreML' / 'model.mlmodel'

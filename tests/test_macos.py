@@ -402,7 +402,7 @@ say('inputs', {'big-endian': answer(**{first: base[first].astype('>f4')}),
 # its first predict (coremltools #2758), in the worker (the double's switch, read at each)
 cpu = torch.device('cpu')
 run = settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=True, ane_programs=True, ane_batch=B)
-spec = hg.ane_spec(hg.Config(**vars(cfg), batch_size=B, ane_programs='p'), run) | dict(threads=1)
+spec = hg.ane_spec(hg.Config(**vars(cfg), batch_size=B, ane_programs='p'), run)
 os.environ['MACOS_DOUBLE_FAIL'] = 'load'
 try:
     hg.ane_engine(spec)

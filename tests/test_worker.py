@@ -2,6 +2,7 @@
 buffers, the timeouts and every fault path, with stand-ins for Core ML (tests/worker_faults.py)."""
 import concurrent.futures
 import dataclasses
+import functools
 import multiprocessing
 import os
 import signal
@@ -23,8 +24,7 @@ B, T = 4, 16  # the microbatch
 
 
 def spec(**kw):
-    return dict(cfg=dataclasses.asdict(CFG), shapes={k: tuple(p.shape) for k, p in hg.gpt_param_shapes(CFG).items()},
-                B=2, T=T, max_batch=B, evaluator='eager', dtype='float32', threads=1, programs=None) | kw
+    return hg.AneSpec(CFG, T, max_batch=B, **kw)
 
 
 def batches(n, seed=0):
@@ -113,7 +113,7 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     # which is about time: once step 1 has run, a call may take 2 s.
     torch.manual_seed(0)
     model = hg.GPT(CFG)
-    w = worker(make=getattr(worker_faults, fault), fault_call=3)
+    w = worker(make=functools.partial(getattr(worker_faults, fault), fault_call=3))
     said_log = []
     engines = {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32), 'ane': w}
     step = hg.HeteroStep(model, engines, hg.Split(4, 0.5), log=said_log.append,
@@ -183,7 +183,7 @@ def test_the_worker_runs_exported_programs(exported):
     cfg = hg.Config(**vars(gcfg), batch_size=4, ane_batch_size=2, ane_evaluator='numpy', ane_programs=path)
     cpu = torch.device('cpu')
     run = settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=True, ane_programs=True, ane_batch=2)
-    spec = hg.ane_spec(cfg, run, log=pytest.fail) | dict(threads=1)  # found, not exported again
+    spec = hg.ane_spec(cfg, run, log=pytest.fail)  # found, not exported again
     before = sys.getswitchinterval()  # (5 ms; or short already if the module's worker is up)
     w = plumbing_worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(256.0, 0), log=lambda s: None,
                                      load_timeout=120)

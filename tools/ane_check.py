@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-import hetero_gpt as hg  # defines: the model, its derivation, build_coreml_program, ane_engine
+import hetero_gpt as hg  # defines: the model, its derivation, build_coreml_program, coreml_engine, ane_engine
 from plumbing import memory  # defines: memory_estimate, total_memory, measured
 from plumbing.energy import powermetrics_readable  # defines: powermetrics_readable
 from plumbing import progress  # defines: Ticker, clock, children_ignore_ctrl_c (what a person sees)
@@ -450,7 +450,7 @@ def gradient_pair(ctx):
         l64 = model(idx[i:i + 1], targets[i:i + 1])[1] / B
         l64.backward()
         loss += l64.detach()
-    engine = hg.ane_engine(dict(programs=ctx['out']), hg.LossScaler(hg.Config.ane_loss_scale, 0))
+    engine = hg.coreml_engine(ctx['out'], hg.LossScaler(hg.Config.ane_loss_scale, 0))
     if not hg.ON_MAC:
         engine.predict = coreml_programs.numpy_programs(ctx['out'], engine.pieces, ane=True, lut=ctx.get('lut'))
     engine.load_weights(dict(model.named_parameters()))
@@ -548,7 +548,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     run = settings.Run('hetero', device, dtype, torch.device('cpu'), getattr(torch, ane_dtype), ane_in_worker=True,
                        ane_programs=hg.ON_MAC, ane_batch=ane_batch)
     cores = worker.share_cores(gpu_on_cpu=device.type == 'cpu')  # (this process's threads, as training sets them)
-    spec = hg.ane_spec(ane_cfg, run) | dict(threads=threads or cores)
+    spec = hg.ane_spec(ane_cfg, run, threads or cores)
     w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
     rand = lambda b: tuple(torch.randint(0, cfg.vocab_size, (b, cfg.block_size)) for _ in range(2))
     gb, ab = rand(gpu_batch), rand(ane_microbatch)
