@@ -923,7 +923,7 @@ class AneSpec:
     max_batch: int  # sequences a call may take
     dtype: torch.dtype = torch.float32  # the eager derivation's, where there are no programs
     programs: str = None  # the exported programs' folder; None: the eager derivation
-    evaluator: str = 'eager'  # what runs the programs: 'coreml' on a Mac, else 'numpy'; or none
+    evaluator: str = 'eager'  # 'coreml' on a Mac, else 'numpy'; 'eager' without programs
     threads: int = 1  # the worker process's CPU threads
 
     @property
@@ -968,14 +968,16 @@ def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine):
         scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=run.ane_dtype == torch.float16,
                             limit=ANE_OVERFLOW / 2)
         if run.ane_in_worker:
-            spec = ane_spec(cfg, run, worker.share_cores(run.device.type == 'cpu'), log)
+            threads, here = worker.share_cores(run.device.type == 'cpu')
+            torch.set_num_threads(here)  # this process's CPU threads, set once here; the worker sets its own
+            spec = ane_spec(cfg, run, threads, log)  # while it is up, the GIL switches every 0.5 ms
             engines['ane'] = worker.WorkerEngine(spec, ane_engine, scaler, log, load_timeout=cfg.ane_load_timeout)
         elif run.ane_programs:  # in this process, GIL-bound on a Mac
             engines['ane'] = ane_engine(ane_spec(cfg, run, log=log), scaler)
         else:
             engines['ane'] = eager_engine(model.config, run.ane_device, run.ane_dtype, scaler)
             if run.mode == 'hetero' and run.ane_device.type == 'cpu' and run.device.type != 'cpu':
-                worker.share_cores(gpu_on_cpu=False)  # one core left to the thread that launches the GPU's kernels
+                torch.set_num_threads(worker.share_cores(gpu_on_cpu=False)[1])  # a core left to the GPU's feeder
         if not ON_MAC:
             log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
     return engines

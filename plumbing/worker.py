@@ -122,15 +122,14 @@ CPU_THREADS = torch.get_num_threads()  # PyTorch's default at start, one per cor
 
 
 def share_cores(gpu_on_cpu):
-    """The worker's CPU threads, and this process's:
+    """(the worker's CPU threads, this process's); the caller sets them:
     - GPU engine on the CPU: half the cores each;
     - else: the worker gets all cores but one, left to the thread that feeds the GPU, and this
       process as many for its copy of the gradients, made while the worker waits. With one
       per core, the copy's thread on the feeding thread's core finishes last
       (benchmarks/RESULTS.md section 15)."""
     threads = max(1, CPU_THREADS // 2 if gpu_on_cpu else CPU_THREADS - 1)
-    torch.set_num_threads(max(1, CPU_THREADS - threads) if gpu_on_cpu else threads)
-    return threads
+    return threads, max(1, CPU_THREADS - threads) if gpu_on_cpu else threads
 
 
 def serve(conn, names, spec, make):
@@ -179,20 +178,20 @@ progress.ON_INTERRUPT.append(close_all)
 
 class WorkerEngine:
     """The ANE engine, seen from the training process: the trainer's Engine interface over a
-    worker that runs the engine make(spec) builds. make is a module-level function, which spawn
-    sends by name. Timeouts:
+    worker that runs the engine make(spec) builds. make is a module-level function (or a partial
+    of one), which spawn sends by name. Timeouts:
     - the first answer (start and load, on a Mac the Neural Engine compile): load_timeout;
     - later calls: timeout_factor x the slowest call per sequence so far, at least min_timeout."""
     name = 'ane'
     device = torch.device('cpu')
 
     def __init__(self, spec, make, scaler, log=print, load_timeout=3600.0, timeout_factor=10.0, min_timeout=60.0):
-        self.scaler, self.spec = scaler, spec
+        self.scaler, self.spec, self.shapes = scaler, spec, spec.shapes  # (shapes: worked out once)
         self.load_timeout, self.factor, self.min_timeout = load_timeout, timeout_factor, min_timeout
         self.label, self.new_weights = f"ANE worker ({spec.evaluator})", False
         self.seconds, self.slowest = None, 0.0  # the worker's seconds, last call and slowest per sequence
         self.max_rss = None  # the worker's peak resident memory, bytes
-        self.bufs = Buffers(spec.shapes, spec.max_batch, spec.T)
+        self.bufs = Buffers(self.shapes, spec.max_batch, spec.T)
         ctx = multiprocessing.get_context('spawn')
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=serve, args=(child, self.bufs.names, spec, make), name='ane-worker', daemon=True)
@@ -256,7 +255,7 @@ class WorkerEngine:
         # and taking it back beside a busy thread waits a switch interval
         # from_numpy and views keep the GIL (benchmarks/RESULTS.md section 15)
         torch.from_numpy(flat).copy_(torch.from_numpy(self.bufs.flat['g']))
-        return torch.tensor(loss), {k: torch.from_numpy(v) for k, v in views(flat, self.spec.shapes).items()}
+        return torch.tensor(loss), {k: torch.from_numpy(v) for k, v in views(flat, self.shapes).items()}
 
     def _wait(self, timeout, what):
         """The worker's answer, waiting without the GIL (a pipe's poll); a fault if none comes."""

@@ -547,7 +547,8 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     # the worker: Core ML's programs on a Mac, else the eager derivation (settings.check's choice)
     run = settings.Run('hetero', device, dtype, torch.device('cpu'), getattr(torch, ane_dtype), ane_in_worker=True,
                        ane_programs=hg.ON_MAC, ane_batch=ane_batch)
-    cores = worker.share_cores(gpu_on_cpu=device.type == 'cpu')  # (this process's threads, as training sets them)
+    cores, here = worker.share_cores(gpu_on_cpu=device.type == 'cpu')
+    torch.set_num_threads(here)  # (this process's threads, as training sets them)
     spec = hg.ane_spec(ane_cfg, run, threads or cores)
     w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
     rand = lambda b: tuple(torch.randint(0, cfg.vocab_size, (b, cfg.block_size)) for _ in range(2))
