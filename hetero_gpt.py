@@ -970,7 +970,8 @@ def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine):
         if run.ane_in_worker:
             threads, here = worker.share_cores(run.device.type == 'cpu')
             torch.set_num_threads(here)  # this process's CPU threads, set once here; the worker sets its own
-            spec = ane_spec(cfg, run, threads, log)  # while it is up, the GIL switches every 0.5 ms
+            sys.setswitchinterval(worker.SWITCH_S)  # so the worker's answers wait at most 0.5 ms for the GIL
+            spec = ane_spec(cfg, run, threads, log)
             engines['ane'] = worker.WorkerEngine(spec, ane_engine, scaler, log, load_timeout=cfg.ane_load_timeout)
         elif run.ane_programs:  # in this process, GIL-bound on a Mac
             engines['ane'] = ane_engine(ane_spec(cfg, run, log=log), scaler)

@@ -24,8 +24,6 @@ import math
 import multiprocessing
 import os
 import signal
-import sys
-import threading
 import time
 import weakref
 from multiprocessing import shared_memory
@@ -40,22 +38,10 @@ from .settings import ON_MAC, UserError, one_line
 
 # Each exchange call that releases the GIL must take it back from the GPU engine's thread.
 # That thread holds it between kernel launches and yields it to a waiter after one switch interval.
-# So while a worker is up the interval is 0.5 ms, not CPython's 5 ms.
-# A thread is asked to yield only while another waits.
+# So a process that trains with a worker sets the interval to 0.5 ms, not CPython's 5 ms
+# (hetero_gpt.build_engines, once). A thread is asked to yield only while another waits.
 # CPython's source and the measurements are in benchmarks/RESULTS.md section 15.
 SWITCH_S = 5e-4
-_switch = dict(up=0, before=None, lock=threading.Lock())
-
-
-def gil_switch(delta):
-    """One more (+1) or one fewer (-1) worker up: SWITCH_S while any is, then the interval as it was."""
-    with _switch['lock']:  # a fault may stop a worker from the engine's thread
-        if delta > 0 and _switch['up'] == 0:
-            _switch['before'] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_switch['before'], SWITCH_S))
-        _switch['up'] += delta
-        if _switch['up'] == 0:
-            sys.setswitchinterval(_switch['before'])
 
 
 class WorkerFault(RuntimeError):
@@ -198,7 +184,6 @@ class WorkerEngine:
         # stopped when this engine is freed or at exit, by a finalizer without a reference to it
         self._stop = weakref.finalize(self, _shutdown, self.proc, self.conn, self.bufs)
         _live.add(self)
-        gil_switch(+1)
         what = "starting the ANE worker"
         if ON_MAC:
             log(f"{what}: it compiles the Core ML programs for the Neural Engine, which the first time may take "
@@ -288,7 +273,6 @@ class WorkerEngine:
 
 
 def _shutdown(proc, conn, bufs):  # weakref.finalize calls it at most once per worker
-    gil_switch(-1)
     if proc.pid is not None and proc.is_alive():
         try:
             conn.send(('stop',))

@@ -1,9 +1,11 @@
 """Shared fixtures: a tiny text data set and Tiny Shakespeare (offline), prepared once per test
 run; Core ML programs exported once per shape; Ctrl-C at a chosen step."""
 import importlib.util
+import sys
 import urllib.error
 
 import pytest
+import torch
 
 import prepare_data
 
@@ -15,6 +17,16 @@ def pytest_configure(config):
     if missing:
         pytest.exit(f"error: the tests need {' and '.join(missing)}: install what README's test command does, "
                     "pip install -r requirements.txt pytest transformers", returncode=2)
+
+
+@pytest.fixture(autouse=True)
+def process_settings():
+    """A run's engines set the process's GIL switch interval and CPU threads for training
+    (hetero_gpt.build_engines): each test gets back what it found."""
+    before = sys.getswitchinterval(), torch.get_num_threads()
+    yield
+    sys.setswitchinterval(before[0])
+    torch.set_num_threads(before[1])
 
 
 @pytest.fixture(scope='session')

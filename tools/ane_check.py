@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import platform
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -548,7 +549,8 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     run = settings.Run('hetero', device, dtype, torch.device('cpu'), getattr(torch, ane_dtype), ane_in_worker=True,
                        ane_programs=hg.ON_MAC, ane_batch=ane_batch)
     cores, here = worker.share_cores(gpu_on_cpu=device.type == 'cpu')
-    torch.set_num_threads(here)  # (this process's threads, as training sets them)
+    torch.set_num_threads(here)  # (this process's threads and GIL switch interval, as training sets them)
+    sys.setswitchinterval(worker.SWITCH_S)
     spec = hg.ane_spec(ane_cfg, run, threads or cores)
     w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
     rand = lambda b: tuple(torch.randint(0, cfg.vocab_size, (b, cfg.block_size)) for _ in range(2))
