@@ -44,7 +44,7 @@ from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in t
 from plumbing import progress  # defines: Eta, Metrics, Every, first_step, show, header, no_bar, stop_run, ctrl_c_exits
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, check_shapes, coreml_predict, peaks
 from plumbing import settings  # defines: parse_args, check, import_coremltools, one_line, machine_defaults
-from plumbing import worker  # defines: WorkerEngine (the ANE engine in its own process), share_cores
+from plumbing import worker  # defines: WorkerEngine (the ANE engine in its own process), share_cores, SWITCH_S
 from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # defines: ANE_MAX_DIM, ANE_OVERFLOW (the ANE's limits)
 from plumbing.settings import ON_MAC, UserError, check_batch, setting  # defines: ON_MAC, UserError, check_batch, setting
 

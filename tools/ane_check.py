@@ -33,7 +33,7 @@ from plumbing.energy import powermetrics_readable  # defines: powermetrics_reada
 from plumbing import progress  # defines: Ticker, clock, children_ignore_ctrl_c (what a person sees)
 from plumbing import programs as coreml_programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
 from plumbing import settings  # defines: Run, one_line, check_coreml, import_coremltools
-from plumbing import worker  # defines: WorkerEngine, exit_text
+from plumbing import worker  # defines: WorkerEngine, exit_text, share_cores, SWITCH_S
 from tools import gradcheck  # defines: compare, failures, by_layer, TOLERANCE
 
 # (name, needs macOS, what it finds out)
