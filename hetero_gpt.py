@@ -44,7 +44,7 @@ from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in t
 from plumbing import progress  # defines: Eta, Metrics, Every, first_step, show, header, no_bar, stop_run, ctrl_c_exits
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, check_shapes, coreml_predict, peaks
 from plumbing import settings  # defines: parse_args, check, import_coremltools, one_line, machine_defaults
-from plumbing import worker  # defines: WorkerEngine (the ANE engine in its own process), share_cores, SWITCH_S
+from plumbing import worker  # defines: WorkerEngine (the ANE engine in its own process), share_cores, CPU_THREADS, SWITCH_S
 from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # defines: ANE_MAX_DIM, ANE_OVERFLOW (the ANE's limits)
 from plumbing.settings import ON_MAC, UserError, check_batch, setting  # defines: ON_MAC, UserError, check_batch, setting
 
@@ -959,8 +959,8 @@ def ane_engine(spec, scaler=None):
 
 
 def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine):
-    """The engines run.mode needs: {'gpu': ..., 'ane': ...}."""
-    engines = {}
+    """The engines run.mode needs, {'gpu': ..., 'ane': ...}; and this process's CPU threads."""
+    engines, threads = {}, worker.CPU_THREADS  # every core, unless the ANE engine shares them
     if run.mode in ('gpu', 'hetero'):
         engines['gpu'] = AutogradEngine(model, run.device, run.dtype, cfg.compile,
                                         scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
@@ -968,19 +968,19 @@ def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine):
         scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=run.ane_dtype == torch.float16,
                             limit=ANE_OVERFLOW / 2)
         if run.ane_in_worker:
-            threads, here = worker.share_cores(run.device.type == 'cpu')
-            torch.set_num_threads(here)  # this process's CPU threads, set once here; the worker sets its own
-            sys.setswitchinterval(worker.SWITCH_S)  # so the worker's answers wait at most 0.5 ms for the GIL
-            spec = ane_spec(cfg, run, threads, log)
+            ane_threads, threads = worker.share_cores(run.device.type == 'cpu')
+            sys.setswitchinterval(worker.SWITCH_S)  # so a worker's answer waits about 0.5 ms for the GIL, not 5
+            spec = ane_spec(cfg, run, ane_threads, log)
             engines['ane'] = worker.WorkerEngine(spec, ane_engine, scaler, log, load_timeout=cfg.ane_load_timeout)
         elif run.ane_programs:  # in this process, GIL-bound on a Mac
             engines['ane'] = ane_engine(ane_spec(cfg, run, log=log), scaler)
         else:
             engines['ane'] = eager_engine(model.config, run.ane_device, run.ane_dtype, scaler)
             if run.mode == 'hetero' and run.ane_device.type == 'cpu' and run.device.type != 'cpu':
-                torch.set_num_threads(worker.share_cores(gpu_on_cpu=False)[1])  # a core left to the GPU's feeder
+                threads = worker.share_cores(gpu_on_cpu=False)[1]  # a core left to the GPU's feeder
         if not ON_MAC:
             log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
+    torch.set_num_threads(threads)  # set once, here
     return engines
 
 

@@ -46,8 +46,9 @@ def save_killed_at(k, path, obj, links=True, best=False):
 
         def point(op, *a):
             new = op == 'fsync' and os.path.exists(path + '.tmp') and os.fstat(a[0]).st_ino == os.stat(path + '.tmp').st_ino
+            size = [str(os.fstat(a[0]).st_size)] if new else []  # the bytes the OS has: what fsync makes durable
             with open(log, 'a') as f:
-                f.write(' '.join([op] + ['new'] * new + [os.path.basename(str(x)) for x in a if op != 'fsync']) + '\n')
+                f.write(' '.join([op] + ['new'] * new + size + [os.path.basename(str(x)) for x in a if op != 'fsync']) + '\n')
             calls[0] += 1
             if calls[0] == k:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -111,7 +112,10 @@ def test_ckpt_is_there_and_loads_at_every_point_of_a_save(tmp_path, links, best)
     # the old checkpoint up to one point (killed in the write, at least), the new one after it,
     # never back; and the new file reached the disk (fsync) before it took the name ckpt.pt
     assert states[0] == 2 and states == sorted(states), states
-    assert ops.index('fsync new') < ops.index('replace ckpt.pt.tmp ckpt.pt'), ops
+    synced = next(i for i, op in enumerate(ops) if op.startswith('fsync new '))
+    assert synced < ops.index('replace ckpt.pt.tmp ckpt.pt'), ops
+    # fsync found the whole file with the OS, none of it left in Python's buffer
+    assert int(ops[synced].split()[2]) == os.path.getsize(d / 'ckpt.prev.pt'), ops  # (step 3's, now prev)
 
 
 def run(data_dir, out, *flags):

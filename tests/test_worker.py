@@ -209,16 +209,18 @@ def test_the_worker_runs_exported_programs(exported):
         w.close()
 
 
-def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
+def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path, monkeypatch):
     # --mode hetero --device cpu: the GPU engine is autograd, the ANE engine the worker (the
-    # eager derivation in fp16), as the Mac's structure; it is stopped at the end
+    # eager derivation in fp16), as the Mac's structure; it is stopped at the end. Of 15 cores
+    # the worker gets 7 and this process 8 (the GPU engine on the CPU: half each), all 15 after
+    monkeypatch.setattr(plumbing_worker, 'CPU_THREADS', 15)
     cfg, given = hg.parse_args(['--mode', 'hetero', '--device', 'cpu', '--n_layer', '1', '--n_head', '2',
                                 '--n_embd', '16', '--block_size', '8', '--vocab_size', '50', '--out_dir', str(tmp_path)])
     cfg, run = hg.setup(cfg, given, log=lambda s: None)
     model, _, engines, step, _ = hg.build_run(cfg, run, log=lambda s: None)
     try:  # the process's GIL switch interval and threads, set by build_engines, as RESULTS.md section 15 says
         assert sys.getswitchinterval() == plumbing_worker.SWITCH_S < 5e-3
-        assert torch.get_num_threads() == plumbing_worker.share_cores(gpu_on_cpu=True)[1]
+        assert (engines['ane'].spec.threads, torch.get_num_threads()) == (7, 8)
         assert isinstance(engines['ane'], plumbing_worker.WorkerEngine) and 'float16' in engines['ane'].label
         assert engines['ane'].scaler.scale == 256.0 and engines['ane'].proc.is_alive()
         out = step([tuple(torch.randint(0, 50, (8, 8)) for _ in range(2)) for _ in range(2)])
@@ -226,6 +228,8 @@ def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path):
     finally:
         engines['ane'].close()
     assert engines['ane'].proc is None
+    hg.build_run(dataclasses.replace(cfg, mode='gpu'), dataclasses.replace(run, mode='gpu'), log=lambda s: None)
+    assert torch.get_num_threads() == 15  # a GPU-only run next in this process gets every core back
 
 
 @pytest.mark.parametrize('gpu_on_cpu', [False, True])
