@@ -945,14 +945,14 @@ def coreml_engine(path, scaler=None):
     """A CoreMLEngine on the programs exported to path: Core ML on a Mac, else the NumPy evaluator."""
     meta = programs.read_meta(path)
     cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
+    predict = coreml_predict_fn(path, meta['pieces'])  # on a Mac it loads them, so the label can say how long
     label = f"Core ML programs {path}" + (f" ({programs.load_summary()})" if ON_MAC else ' (NumPy evaluator)')
-    return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'], coreml_predict_fn(path, meta['pieces']),
-                        meta['pieces'], scaler or LossScaler(1.0, 0, enabled=False), label)
+    return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'], predict, meta['pieces'],
+                        scaler or LossScaler(1.0, 0, enabled=False), label)
 
 
 def ane_engine(spec, scaler=None):
-    """The ANE engine an AneSpec describes: on its programs, else the eager derivation on the
-    CPU. Built here, or in the worker process, which calls this function with the spec."""
+    """The ANE engine an AneSpec describes, built here or in the worker process (from the spec)."""
     if spec.programs:
         return coreml_engine(spec.programs, scaler)
     return EagerEngine(spec.cfg, torch.device('cpu'), spec.dtype, scaler or LossScaler(1.0, 0, enabled=False))
