@@ -525,6 +525,28 @@ def test_bench_times_every_mode_in_turns(data_dir, capsys, monkeypatch):
     assert 'hetero / (gpu + ane alone) = 0.500 ' in out
 
 
+def test_bench_splits_by_the_engines_speeds(data_dir, monkeypatch):
+    # bench.py with the auto split, on clocks of the test's: a microbatch takes the GPU engine 1 s
+    # and the ANE's stand-in 3 s (each engine's own clock, in its thread). From hetero's second
+    # step the split gives the ANE 4 * (1/3) / (1 + 1/3) = 1 of 4 microbatches, so each engine's
+    # share takes 3 s; the retime (step 10) and probe steps (every 20th) come after bench's 9 steps
+    import bench
+    engine_clock = Clock()
+    for cls, seconds in ((hg.AutogradEngine, 1.0), (hg.EagerEngine, 3.0)):
+        def timed(self, idx, targets, inner=cls.loss_and_grads, seconds=seconds):
+            engine_clock.advance(seconds)
+            return inner(self, idx, targets)
+        monkeypatch.setattr(cls, 'loss_and_grads', timed)
+    monkeypatch.setattr(bench, 'time', Clock(tick=1.0))
+    monkeypatch.setattr(hg, 'time', engine_clock)
+    cfg, given = hg.parse_args(helpers.flags(data_dir, bench_iters=2, bench_repeats=2, gradient_accumulation_steps=4),
+                               bench.BenchConfig)
+    rows = bench.bench(cfg, given)
+    assert rows['hetero']['split'] == '1/4'
+    assert rows['hetero']['ms_engines'] == {'gpu': 3000.0, 'ane': 3000.0}  # both engines end together
+    assert rows['gpu']['ms_engines'] == {'gpu': 4000.0} and rows['ane']['ms_engines'] == {'ane': 12000.0}
+
+
 def test_bench_ratios_are_the_papers():
     # the paper's M4 Pro row as bench.py's rows: hetero at 1.419x GPU-only's tokens/s and
     # 30.9% less energy per token; the ANE alone at 600 tokens/s, so hetero reaches
