@@ -347,7 +347,7 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print):
     moot = dict(ane_programs=not programs, ane_batch_size=not programs,
                 ane_fraction=cfg.mode != 'hetero', loss_scale=not gpu16, ane_loss_scale=not ane16,
                 scale_window=not fp16, compile=(ON_MAC or worker) and cfg.mode == 'ane',
-                ane_worker=cfg.mode == 'gpu', ane_load_timeout=not (cfg.mode != 'gpu' and worker),
+                ane_worker=cfg.mode == 'gpu', ane_load_timeout=not worker,
                 ane_evaluator=ON_MAC or cfg.mode == 'gpu')
     moot |= dict.fromkeys(('ane_device', 'ane_dtype'), ON_MAC or cfg.mode == 'gpu')
     if unused := [f'--{k}' for k in moot if moot[k] and k in given]:

@@ -237,16 +237,13 @@ def test_the_cores_are_shared_with_the_thread_that_feeds_the_gpu(gpu_on_cpu, mon
     # 15 cores: the worker gets all but the feeding thread's one, and this process as many for its copy
     # (the worker waits meanwhile); with the GPU engine on the CPU too, the worker 7 and this process 8.
     # The copy runs in the ANE engine's thread, started later: it takes this process's count too
-    before = torch.get_num_threads()
+    # (conftest gives the process its threads back)
     monkeypatch.setattr(plumbing_worker, 'CPU_THREADS', 15)
-    try:
-        worker_threads, here = plumbing_worker.share_cores(gpu_on_cpu)
-        torch.set_num_threads(here)  # as build_engines does
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            here = pool.submit(torch.get_num_threads).result()
-        assert (worker_threads, torch.get_num_threads(), here) == ((7, 8, 8) if gpu_on_cpu else (14, 14, 14))
-    finally:
-        torch.set_num_threads(before)
+    worker_threads, mine = plumbing_worker.share_cores(gpu_on_cpu)
+    torch.set_num_threads(mine)  # as build_engines does
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_thread = pool.submit(torch.get_num_threads).result()
+    assert (worker_threads, torch.get_num_threads(), in_thread) == ((7, 8, 8) if gpu_on_cpu else (14, 14, 14))
 
 
 KILLED = """
