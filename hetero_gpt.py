@@ -36,17 +36,24 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import prepare_data  # defines: load (checked token arrays), DataError
-from plumbing import checkpoints  # defines: check_out_dir, restore, delete, resume, state, save_checkpoint, diverged, closing_sample
-from plumbing import distributed  # defines: join_ranks, world, rank_share, rank0_first, from_rank0, all_reduce_sum, check_same_weights, exit_naming_stopped, leave
+from plumbing import checkpoints  # defines: resume, state, save_checkpoint, diverged,
+#   closing_sample
+from plumbing import distributed  # defines: rank0_first, rank_share, sum_over_ranks,
+#   check_same_weights, from_rank0, leave, exit_naming_stopped
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
-from plumbing import pretrained  # defines: configure, load (OpenAI's GPT-2 in this layout)
-from plumbing import progress  # defines: Eta, Metrics, Every, first_step, show, header, no_bar, stop_run, ctrl_c_exits
-from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary, numpy_programs, check_shapes, coreml_predict, peaks
-from plumbing import settings  # defines: parse_args, check, import_coremltools, one_line, machine_defaults
-from plumbing import worker  # defines: WorkerEngine (the ANE engine in its own process), share_cores, CPU_THREADS, SWITCH_S
-from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # defines: ANE_MAX_DIM, ANE_OVERFLOW (the ANE's limits)
-from plumbing.settings import ON_MAC, UserError, check_batch, setting  # defines: ON_MAC, UserError, check_batch, setting
+from plumbing import pretrained  # defines: load (OpenAI's GPT-2 in this layout)
+from plumbing import progress  # defines: logger, header, Metrics, Display, stop_run, ctrl_c_exits
+from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary,
+#   numpy_programs, check_shapes, coreml_predict, peaks
+from plumbing import settings  # defines: parse_args, import_coremltools, one_line,
+#   machine_defaults
+from plumbing import startup  # defines: resolve (the run's final settings, once)
+from plumbing import worker  # defines: WorkerEngine (the ANE engine in its own process),
+#   set_process_threads
+from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # defines: ANE_MAX_DIM, ANE_OVERFLOW
+from plumbing.settings import ON_MAC, UserError, check_batch, setting  # defines: ON_MAC,
+#   UserError, check_batch, setting
 
 # -----------------------------------------------------------------------------
 # 1. Configuration: every setting, its default, and one line on what it does.
@@ -570,7 +577,8 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
             elif f'h{l}_{k}' in g and third == 0:
                 grads[f'transformer.h.{l}.{name}'] = torch.cat([g[f'h{l}_{k[0]}{c}'] for c in 'qkv'], 0)
     if loss_scale != 1.0:
-        torch._foreach_div_(list(grads.values()), float(loss_scale))  # one launch, benchmarks/RESULTS.md section 14
+        for g in grads.values():
+            g.div_(loss_scale)
     return grads
 
 
@@ -585,10 +593,6 @@ def eager_loss_and_grads(ops, cfg, w, idx, targets, loss_scale):
         out_dtype = torch.float32 if ops.dtype in (torch.float16, torch.bfloat16) else ops.dtype
         return loss.reshape(()).to(out_dtype), host_grads(g, cfg, idx, targets, loss_scale, out_dtype)
 
-
-def grads_finite(grads):
-    """Whether every gradient is finite (a norm is finite iff all its values are), on their device."""
-    return torch.stack(torch._foreach_norm(list(grads.values()))).isfinite().all()  # one launch
 
 # -----------------------------------------------------------------------------
 # 4. The Core ML programs: the same derivation, recorded by coremltools' MIL builder.
@@ -795,23 +799,35 @@ class AutogradEngine(Engine):
     name = 'gpu'
 
     def __init__(self, model, device, dtype, compile=False, scaler=None):
-        self.model, self.device = model, device
+        self.model = model
+        self.device = device
         self.forward = torch.compile(model) if compile else model
-        # bf16, fp16 autocast over fp32 master weights; fp32, fp64 run as they are
-        self.autocast = (torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16)
-                         else contextlib.nullcontext())
         self.params = list(model.named_parameters())
+        # bf16, fp16 autocast over fp32 master weights; fp32, fp64 run as they are
+        self.autocast = contextlib.nullcontext()
+        if dtype in (torch.bfloat16, torch.float16):
+            self.autocast = torch.autocast(device.type, dtype=dtype)
         # fp16 autocast needs a loss scale; bf16 and fp32 don't
-        self.scaler = scaler if dtype == torch.float16 and scaler else LossScaler(1.0, 0, enabled=False)
+        self.scaler = LossScaler(1.0, 0, enabled=False)
+        if dtype == torch.float16 and scaler:
+            self.scaler = scaler
         self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
 
-    def loss_and_grads(self, idx, targets):  # non-blocking copies on CUDA only; MPS's may read freed memory
+    def loss_and_grads(self, idx, targets):
+        # idx and targets are contiguous, and the step keeps them until its wait,
+        # so the copies need not wait (an MPS copy reads them when it runs)
+        idx = idx.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
         with self.autocast:  # the forward only, as backward ops take their forward's dtypes
-            _, loss = self.forward(*(t.to(self.device, non_blocking=self.device.type == 'cuda') for t in (idx, targets)))
-        self.model.zero_grad(set_to_none=True)  # after queuing the forward, so the device is busy meanwhile
-        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()  # unscaled in fp32, the weights' dtype
-        grads = {n: p.grad / self.scaler.scale if self.scaler.enabled else p.grad for n, p in self.params}
-        self.model.zero_grad(set_to_none=True)  # the caller owns the gradients, the model keeps none
+            _, loss = self.forward(idx, targets)
+        self.model.zero_grad(set_to_none=True)  # after queuing the forward, so the device is busy
+        if self.scaler.enabled:  # fp16: the backward seeded with the scale, divided out after
+            (loss * self.scaler.scale).backward()
+            grads = {n: p.grad / self.scaler.scale for n, p in self.params}
+        else:
+            loss.backward()
+            grads = {n: p.grad for n, p in self.params}
+        self.model.zero_grad(set_to_none=True)  # the caller owns the gradients
         return loss.detach(), grads
 
 
@@ -828,7 +844,8 @@ class EagerEngine(Engine):
     def load_weights(self, params):
         if self.w is None:  # buffers made once, refreshed in place
             self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device) for k, p in params.items()}
-        torch._foreach_copy_(list(self.w.values()), list(params.values()))  # one launch
+        for k, p in params.items():
+            self.w[k].copy_(p)
 
     def loss_and_grads(self, idx, targets):
         return eager_loss_and_grads(self.ops, self.cfg, self.w, idx.to(self.device), targets.to(self.device),
@@ -931,56 +948,76 @@ class AneSpec:
         return {k: tuple(p.shape) for k, p in gpt_param_shapes(self.cfg).items()}
 
 
-def ane_spec(cfg, run, threads=1, log=print):
-    """The run's AneSpec: its programs (exported now if not there yet), or the derivation."""
-    mcfg, B, T = model_config(cfg), run.ane_batch, cfg.block_size
+def programs_path(cfg, run):
+    """The folder of the ANE's programs: --ane_programs, or one in out_dir named by their shape."""
+    return cfg.ane_programs or os.path.join(cfg.out_dir, f'ane_B{run.ane_batch}_T{cfg.block_size}')
+
+
+def export_programs(cfg, run, log=print):
+    """The ANE's Core ML programs for this run, exported unless they are there already."""
+    path = programs_path(cfg, run)
+    given = bool(cfg.ane_programs)  # a folder given must hold programs of this model
+    programs.ensure(path, model_config(cfg), run.ane_batch, cfg.block_size, build_coreml_program,
+                    ANE_PIECES, given, log)
+
+
+def ane_spec(cfg, run, threads=1):
+    """The run's AneSpec: its exported programs (export_programs), or the derivation."""
+    mcfg = model_config(cfg)
     if not run.ane_programs:
-        return AneSpec(mcfg, T, cfg.batch_size, run.ane_dtype, threads=threads)
-    path = cfg.ane_programs or os.path.join(cfg.out_dir, f'ane_B{B}_T{T}')
-    path = programs.ensure(path, mcfg, B, T, build_coreml_program, ANE_PIECES, bool(cfg.ane_programs), log)
-    return AneSpec(mcfg, T, cfg.batch_size, run.ane_dtype, path, 'coreml' if ON_MAC else cfg.ane_evaluator, threads)
+        return AneSpec(mcfg, cfg.block_size, cfg.batch_size, run.ane_dtype, threads=threads)
+    evaluator = 'coreml' if ON_MAC else cfg.ane_evaluator
+    return AneSpec(mcfg, cfg.block_size, cfg.batch_size, run.ane_dtype, programs_path(cfg, run),
+                   evaluator, threads)
 
 
 def coreml_engine(path, scaler=None):
-    """A CoreMLEngine on the programs exported to path: Core ML on a Mac, else the NumPy evaluator."""
+    """A CoreMLEngine on the programs exported to path: Core ML on a Mac, else NumPy."""
     meta = programs.read_meta(path)
     cfg = GPTConfig(**{f.name: meta[f.name] for f in dataclasses.fields(GPTConfig)})
-    predict = coreml_predict_fn(path, meta['pieces'])  # on a Mac it loads them, so the label can say how long
-    label = f"Core ML programs {path}" + (f" ({programs.load_summary()})" if ON_MAC else ' (NumPy evaluator)')
+    predict = coreml_predict_fn(path, meta['pieces'])  # on a Mac this loads them, timed
+    if ON_MAC:
+        label = f"Core ML programs {path} ({programs.load_summary()})"
+    else:
+        label = f"Core ML programs {path} (NumPy evaluator)"
+    scaler = scaler or LossScaler(1.0, 0, enabled=False)
     return CoreMLEngine(cfg, meta['ane_batch_size'], meta['seq_len'], predict, meta['pieces'],
-                        scaler or LossScaler(1.0, 0, enabled=False), label)
+                        scaler, label)
 
 
-def ane_engine(spec, scaler=None):
-    """The ANE engine an AneSpec describes, built here or in the worker process (from the spec)."""
+def engine_from_spec(spec, scaler=None):
+    """The ANE engine an AneSpec describes, here or in the worker process."""
+    scaler = scaler or LossScaler(1.0, 0, enabled=False)
     if spec.programs:
         return coreml_engine(spec.programs, scaler)
-    return EagerEngine(spec.cfg, torch.device('cpu'), spec.dtype, scaler or LossScaler(1.0, 0, enabled=False))
+    return EagerEngine(spec.cfg, torch.device('cpu'), spec.dtype, scaler)
 
 
-def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine):
-    """The engines run.mode needs, {'gpu': ..., 'ane': ...}; and this process's CPU threads."""
-    engines, threads = {}, worker.CPU_THREADS  # every core, unless the ANE engine shares them
+def ane_engine(cfg, run, scaler, eager_engine=EagerEngine, threads=1, log=print):
+    """The ANE engine. Its programs run by Core ML on a Mac, by NumPy off it under
+    --ane_evaluator numpy; else the eager derivation stands in for them. With
+    run.ane_in_worker it runs in a worker process, out of this one's GIL."""
+    if run.ane_in_worker:
+        spec = ane_spec(cfg, run, threads)
+        return worker.WorkerEngine(spec, engine_from_spec, scaler, log,
+                                   load_timeout=cfg.ane_load_timeout)
+    if run.ane_programs:  # in this process, GIL-bound on a Mac
+        return coreml_engine(programs_path(cfg, run), scaler)
+    return eager_engine(model_config(cfg), run.ane_device, run.ane_dtype, scaler)
+
+
+def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine, ane_threads=1):
+    """The engines run.mode needs: {'gpu': ..., 'ane': ...}."""
+    engines = {}
     if run.mode in ('gpu', 'hetero'):
-        engines['gpu'] = AutogradEngine(model, run.device, run.dtype, cfg.compile,
-                                        scaler=LossScaler(cfg.loss_scale, cfg.scale_window))
+        scaler = LossScaler(cfg.loss_scale, cfg.scale_window)
+        engines['gpu'] = AutogradEngine(model, run.device, run.dtype, cfg.compile, scaler)
     if run.mode in ('ane', 'hetero'):
-        scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, enabled=run.ane_dtype == torch.float16,
-                            limit=ANE_OVERFLOW / 2)
-        if run.ane_in_worker:
-            ane_threads, threads = worker.share_cores(run.device.type == 'cpu')
-            sys.setswitchinterval(worker.SWITCH_S)  # so a worker's answer waits about 0.5 ms for the GIL, not 5
-            spec = ane_spec(cfg, run, ane_threads, log)
-            engines['ane'] = worker.WorkerEngine(spec, ane_engine, scaler, log, load_timeout=cfg.ane_load_timeout)
-        elif run.ane_programs:  # in this process, GIL-bound on a Mac
-            engines['ane'] = ane_engine(ane_spec(cfg, run, log=log), scaler)
-        else:
-            engines['ane'] = eager_engine(model.config, run.ane_device, run.ane_dtype, scaler)
-            if run.mode == 'hetero' and run.ane_device.type == 'cpu' and run.device.type != 'cpu':
-                threads = worker.share_cores(gpu_on_cpu=False)[1]  # a core left to the GPU's feeder
+        fp16 = run.ane_dtype == torch.float16
+        scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, fp16, limit=ANE_OVERFLOW / 2)
+        engines['ane'] = ane_engine(cfg, run, scaler, eager_engine, ane_threads, log)
         if not ON_MAC:
             log(f"not on macOS: the ANE engine is the {engines['ane'].label}")
-    torch.set_num_threads(threads)  # set once, here
     return engines
 
 
@@ -989,218 +1026,283 @@ def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine):
 
 
 class Split:
-    """How many of a step's microbatches go to the ANE engine (ane_share).
-    - fixed: `fraction` of them;
-    - auto: shares proportional to each engine's measured speed, so both finish together;
-    - auto, where the GPU engine alone makes the faster step: none."""
-    PROBE_EVERY, RETIME_EVERY, RETIME_AT = 20, 100, 10  # steps
+    """How many of a step's microbatches go to the ANE engine (ane_share): a fixed fraction,
+    or (auto) shares in proportion to each engine's measured speed, so both finish together."""
 
-    def __init__(self, microbatches, fraction=None):  # None means auto
-        self.microbatches, self.auto = microbatches, fraction is None
-        self.ane_share = microbatches // 2 if self.auto else round(fraction * microbatches)
-        self.sec_per_microbatch, self.steps = {}, 0  # engine name -> smoothed seconds
-        self.step_sec = {}  # a whole step's seconds per microbatch, 'alone' or 'both'
-
-    def share_now(self, alive):
-        """The ANE's share, given which engines are alive."""
-        return 0 if alive == {'gpu'} else self.microbatches if alive == {'ane'} else self.ane_share
-
-    def worth_probing(self, idle, busy):  # one microbatch of idle within two whole steps of busy
-        return self.sec_per_microbatch.get(idle, 0) <= 2 * self.microbatches * self.sec_per_microbatch.get(busy, 0)
+    def __init__(self, microbatches, fraction=None):  # None: auto
+        self.microbatches = microbatches
+        self.auto = fraction is None
+        if self.auto:
+            self.ane_share = microbatches // 2  # until both engines are timed
+        else:
+            self.ane_share = round(fraction * microbatches)
+        self.sec_per_microbatch = {}  # engine name -> seconds, smoothed
+        self.steps = 0
 
     def next_share(self, alive):
-        """The ANE's share for the next step. In auto mode, with both engines alive:
-        - every PROBE_EVERY steps, an idle engine gets one microbatch, to be timed again;
-        - at step RETIME_AT and every RETIME_EVERY, the GPU engine runs alone, to be timed;
-        - while the GPU alone was faster, it runs alone."""
+        """The ANE's share of the next step, given which engines are alive."""
         self.steps += 1
-        k, n = self.share_now(alive), self.microbatches
-        if self.auto and len(alive) == 2 and n >= 2:
-            probe = self.steps % self.PROBE_EVERY == 0
-            alone, both = self.step_sec.get('alone', math.inf), self.step_sec.get('both', 0.0)
-            if k == 0 and probe and self.worth_probing('ane', 'gpu'):
-                k = 1
-            elif k == n and probe and self.worth_probing('gpu', 'ane'):
-                k = n - 1
-            elif 0 < k < n and (self.steps % self.RETIME_EVERY == self.RETIME_AT or alone < both and not probe):
-                k = 0
-        return k
+        if alive == {'gpu'}:
+            return 0
+        if alive == {'ane'}:
+            return self.microbatches
+        return self.ane_share
 
-    def observe(self, results, ane_share):
-        """Each engine's seconds per microbatch (smoothed), and the whole step's."""
-        if len(results) == 2:
-            for name, r in results.items():
-                s, old = r.seconds / r.n, self.sec_per_microbatch.get(name)
-                self.sec_per_microbatch[name] = s if old is None else 0.5 * old + 0.5 * s
-            if self.auto:
-                r_gpu, r_ane = (1 / self.sec_per_microbatch[name] for name in ('gpu', 'ane'))
-                self.ane_share = min(self.microbatches, max(0, round(self.microbatches * r_ane / (r_gpu + r_ane))))
-        if ane_share < self.microbatches:
-            key, s = 'both' if ane_share else 'alone', max(r.seconds for r in results.values()) / self.microbatches
-            self.step_sec[key] = 0.5 * (self.step_sec.get(key, s) + s)
+    def observe(self, shares, ane_share):
+        """A step's shares: each engine's seconds per microbatch; in auto mode, the new share."""
+        if len(shares) < 2:
+            return
+        for name, share in shares.items():
+            s = share.seconds / share.n
+            self.sec_per_microbatch[name] = 0.5 * self.sec_per_microbatch.get(name, s) + 0.5 * s
+        if self.auto:
+            gpu_speed = 1 / self.sec_per_microbatch['gpu']
+            ane_speed = 1 / self.sec_per_microbatch['ane']
+            k = round(self.microbatches * ane_speed / (gpu_speed + ane_speed))
+            self.ane_share = min(self.microbatches, max(0, k))
 
     def state_dict(self):
         return dict(microbatches=self.microbatches, ane_share=self.ane_share, steps=self.steps,
-                    sec_per_microbatch=self.sec_per_microbatch, step_sec=self.step_sec)
+                    sec_per_microbatch=self.sec_per_microbatch)
 
     def load_state_dict(self, s):
         """The speeds; the share too, if it was of as many microbatches (ranks may differ)."""
         if s['microbatches'] == self.microbatches:
             self.ane_share = s['ane_share']
-        self.sec_per_microbatch, self.steps, self.step_sec = s['sec_per_microbatch'], s['steps'], s['step_sec']
+        self.sec_per_microbatch = s['sec_per_microbatch']
+        self.steps = s['steps']
+
+
+class ProbingSplit(Split):
+    """The auto split, which also tries the GPU engine alone. Two engines share one chip's
+    memory and heat, so the GPU alone may make the faster step. In auto mode:
+    - at step RETIME_AT, then every RETIME_EVERY steps, the GPU engine runs alone, timed;
+    - while it alone made the faster step, it keeps running alone;
+    - every PROBE_EVERY steps, an idle engine gets one microbatch, to be timed again."""
+    PROBE_EVERY = 20
+    RETIME_EVERY = 100
+    RETIME_AT = 10
+
+    def __init__(self, microbatches, fraction=None):
+        super().__init__(microbatches, fraction)
+        self.step_sec = {}  # 'alone' or 'both' -> a step's seconds per microbatch, smoothed
+
+    def worth_probing(self, idle, busy):
+        # one microbatch of the idle engine costs at most two steps of the busy one
+        idle_sec = self.sec_per_microbatch.get(idle, 0)
+        return idle_sec <= 2 * self.microbatches * self.sec_per_microbatch.get(busy, 0)
+
+    def next_share(self, alive):
+        k = super().next_share(alive)
+        n = self.microbatches
+        if not self.auto or len(alive) < 2 or n < 2:
+            return k
+        probe = self.steps % self.PROBE_EVERY == 0
+        retime = self.steps % self.RETIME_EVERY == self.RETIME_AT
+        alone_faster = self.step_sec.get('alone', math.inf) < self.step_sec.get('both', 0.0)
+        if k == 0 and probe and self.worth_probing('ane', 'gpu'):
+            return 1
+        if k == n and probe and self.worth_probing('gpu', 'ane'):
+            return n - 1
+        if 0 < k < n and (retime or alone_faster and not probe):
+            return 0
+        return k
+
+    def observe(self, shares, ane_share):
+        super().observe(shares, ane_share)
+        if ane_share < self.microbatches:  # the GPU engine ran, alone or beside the ANE
+            key = 'both' if ane_share else 'alone'
+            s = max(share.seconds for share in shares.values()) / self.microbatches
+            self.step_sec[key] = 0.5 * (self.step_sec.get(key, s) + s)
+
+    def state_dict(self):
+        return super().state_dict() | dict(step_sec=self.step_sec)
+
+    def load_state_dict(self, s):
+        super().load_state_dict(s)
+        self.step_sec = s.get('step_sec', {})
 
 
 @dataclass
 class Share:
-    """One engine's part of a step: its microbatches' summed gradients and loss."""
-    grads: dict
-    loss: float
+    """One engine's part of a step: its microbatches' summed loss and gradients."""
+    loss: torch.Tensor  # a 0-dim tensor on the engine's device
+    grads: dict  # param name -> summed gradient
     n: int  # microbatches
-    finite: bool
     seconds: float
 
     def __add__(self, other):  # a second run of one engine, redoing a failed share
-        torch._foreach_add_(list(self.grads.values()), [other.grads[k] for k in self.grads])  # one launch
-        return Share(self.grads, self.loss + other.loss, self.n + other.n, self.finite and other.finite,
-                     self.seconds + other.seconds)
+        grads = {k: g + other.grads[k] for k, g in self.grads.items()}
+        return Share(self.loss + other.loss, grads, self.n + other.n, self.seconds + other.seconds)
 
 
 def sum_grads(engine, microbatches):
-    """Forward and backward of each microbatch: (summed gradients, summed loss), on the device."""
-    grads, loss = None, 0.0
+    """Forward and backward of each microbatch: (summed loss, summed gradients)."""
+    loss = 0.0
+    grads = None
     for idx, targets in microbatches:
         l, g = engine.loss_and_grads(idx, targets)
+        loss = loss + l.float()
         if grads is None:
             grads = g  # each call's tensors are its own
         else:
-            torch._foreach_add_(list(grads.values()), list(g.values()))  # one launch
-        loss, g = loss + l.float(), None  # this call's gradients freed now
-    return grads, loss
+            for k in grads:
+                grads[k] += g[k]
+    return loss, grads
 
 
-def run_engine(engine, microbatches):
-    """Thread body: one engine's share, summed, then read by the host."""
+def run_engine(engine, microbatches, timed):
+    """Thread body: one engine's share. timed: it waits for its device, so that its seconds
+    are its own (for the split). The other engine works meanwhile, so the wait costs nothing."""
     t0 = time.perf_counter()
-    grads, loss = sum_grads(engine, microbatches)
-    finite = grads_finite(grads | {'loss': loss.reshape(1)})  # the one wait for the device
-    return Share(grads, float(loss), len(microbatches), bool(finite), time.perf_counter() - t0)
+    loss, grads = sum_grads(engine, microbatches)
+    if timed:
+        loss = loss.cpu()  # waits for the device
+    return Share(loss, grads, len(microbatches), time.perf_counter() - t0)
+
+
+def grads_finite(grads):
+    """Whether every gradient is finite: their norm is finite iff all their values are."""
+    return math.isfinite(torch.nn.utils.get_total_norm(list(grads.values())))
+
+
+@dataclass
+class StepResult:
+    """What one step did."""
+    loss: float  # mean over the microbatches used; nan if none
+    n: int  # microbatches whose gradients were averaged, every rank's
+    used: list  # the engines whose shares were averaged
+    grad_norm: float  # of the mean gradient, before clipping
+    ane_share: int  # microbatches given to the ANE engine
+    shares: dict  # engine name -> Share
 
 
 class HeteroStep:
     """One optimizer step over a list of microbatches, on one or both engines.
     - Each engine runs its share in its own thread, from the same weights.
-    - The mean gradient: the finite shares' sums over their microbatches.
-    - An engine with non-finite gradients is left out; the mean stays unbiased.
+    - The mean gradient: the shares' summed gradients over their microbatches.
+    - A share with non-finite values is left out, so the mean stays unbiased.
     - An engine that raises is retired; the other runs its share too.
     - Under torchrun, the ranks' sums and counts are added first."""
 
     def __init__(self, model, engines, split, log=print, optimizer=None):
-        self.model, self.engines, self.split, self.log, self.optimizer = model, engines, split, log, optimizer
-        self.params, self.alive = dict(model.named_parameters()), set(engines)
-        self.weights = next(iter(self.params.values()))  # where the mean gradient goes, and its dtype
-        # one long-lived thread per engine; CUDA sets up each new one
+        self.model = model
+        self.engines = engines
+        self.split = split
+        self.log = log
+        self.optimizer = optimizer
+        self.params = dict(model.named_parameters())
+        self.device = next(iter(self.params.values())).device  # where the mean gradient goes
+        self.alive = set(engines)
+        # one long-lived thread per engine, as CUDA sets up each new thread
         self.threads = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name in engines}
         self.dropped = {name: 0 for name in engines}  # steps an engine's share was left out
         self.skipped = 0  # steps without an update
-
-    def check(self, microbatches):  # bad data is the data's fault, not an engine's
-        try:
-            for idx, targets in microbatches:
-                check_batch(self.model.config, idx, targets)
-        except ValueError as e:
-            raise UserError(f"a microbatch is no valid input ({e}): the data is at fault, not an engine") from None
+        self.inputs = None  # this step's microbatches, kept until its one wait
 
     def __call__(self, microbatches):
-        """The mean gradient into p.grad; returns dict(loss, n, used, results, ane_share)."""
-        self.check(microbatches)
-        k, both = self.split.next_share(self.alive), len(self.alive) == 2
-        shares = {'gpu': microbatches[k:], 'ane': microbatches[:k]}
-        for name in self.alive - {'gpu'}:
-            if shares[name]:
-                self.engines[name].load_weights(self.params)  # this step's weights
-        # on a Mac only the GPU engine queues MPS work; this thread waits
-        futures = {n: self.threads[n].submit(run_engine, self.engines[n], shares[n]) for n in self.alive if shares[n]}
-        results, errors = {}, {}
+        """Forward and backward on both engines; the mean gradient into p.grad."""
+        k = self.split.next_share(self.alive)
+        # the GPU engine's copies read these host tensors until the wait below
+        self.inputs = [(x.contiguous(), y.contiguous()) for x, y in microbatches]
+        shares = self.run_shares(self.inputs[:k], self.inputs[k:])
+        self.split.observe(shares, k)
+        used = sorted(shares)
+        n, loss, norm = self.average(shares, used)
+        if not math.isfinite(loss + norm):  # a share overflowed: average the others
+            used = [name for name in used if shares[name].n and self.finite(shares[name])]
+            n, loss, norm = self.average(shares, used)
+        self.inputs = None
+        for name in shares:  # a left-out share lowers its engine's loss scale
+            self.engines[name].scaler.update(name in used)
+            self.dropped[name] += name not in used
+        if n == 0 or not math.isfinite(norm):  # finite shares can still sum past fp32's range
+            self.skipped += 1
+            return StepResult(math.nan, 0, [], norm, k, shares)
+        return StepResult(loss, n, used, norm, k, shares)
+
+    def run_shares(self, ane_mbs, gpu_mbs):
+        """{engine name: Share} of the engines with microbatches, each run in its thread."""
+        todo = {'ane': ane_mbs, 'gpu': gpu_mbs}
+        todo = {name: mbs for name, mbs in todo.items() if name in self.alive and mbs}
+        if 'ane' in todo:
+            self.engines['ane'].load_weights(self.params)  # this step's weights
+        timed = len(self.alive) == 2
+        futures = {}
+        for name, mbs in todo.items():  # on a Mac only the GPU engine queues MPS work
+            futures[name] = self.threads[name].submit(run_engine, self.engines[name], mbs, timed)
+        shares = {}
+        errors = {}
         for name, future in futures.items():
             try:
-                results[name] = future.result()
-            except Exception as e:  # reported in _recover; training goes on with the other engine
+                shares[name] = future.result()
+            except Exception as e:  # training goes on with the other engine
                 errors[name] = e
-        self._recover(results, errors, shares)
-        if both and not errors:
-            self.split.observe(results, k)
-        self._count(results)
-        return self._average(results) | dict(ane_share=k)
-
-    def _recover(self, results, errors, shares):
-        """An engine that raised is reported and retired; the other runs its share too."""
-        self.alive -= set(errors)
         for name, error in errors.items():
-            self.dropped[name] += 1
-            self.log(f"engine '{name}' ({self.engines[name].label}) failed: {error!r}; "
-                     f"continuing with {sorted(self.alive) or 'nothing'}")
-            if not self.alive:
-                raise RuntimeError("both engines failed") from error
-            other = next(iter(self.alive))
-            if other != 'gpu' and not shares[other]:  # it had no share, so no weights of this step
-                self.engines[other].load_weights(self.params)
-            try:
-                redo = self.threads[other].submit(run_engine, self.engines[other], shares[name]).result()
-            except Exception as e:
-                raise RuntimeError("both engines failed") from e
-            results[other] = results[other] + redo if other in results else redo
+            self.retire(name, error, todo[name], shares)
+        return shares
 
-    def _count(self, results):  # each flag updates its loss scale and drop count
-        for name, r in results.items():
-            self.engines[name].scaler.update(r.finite)
-            self.dropped[name] += not r.finite
+    def retire(self, name, error, microbatches, shares):
+        """An engine that raised is reported and retired; the other runs its share too."""
+        self.alive.discard(name)
+        self.dropped[name] += 1
+        self.log(f"engine '{name}' ({self.engines[name].label}) failed: {error!r}; "
+                 f"continuing with {sorted(self.alive) or 'nothing'}")
+        if not self.alive:
+            raise RuntimeError("both engines failed") from error
+        other = next(iter(self.alive))
+        if other == 'ane' and other not in shares:  # it has no weights of this step yet
+            self.engines[other].load_weights(self.params)
+        try:
+            redo = self.threads[other].submit(run_engine, self.engines[other], microbatches, True)
+            redo = redo.result()
+        except Exception as e:
+            raise RuntimeError("both engines failed") from e
+        if other in shares:
+            shares[other] = shares[other] + redo
+        else:
+            shares[other] = redo
 
-    def _average(self, results):
-        """The finite shares' summed gradients, divided by their microbatches, into p.grad."""
-        used = {name: r for name, r in results.items() if r.finite}
-        n, loss, total = sum(r.n for r in used.values()), sum(r.loss for r in used.values()), None
-        for r in used.values():  # each engine's sums are its own, added to in place
-            g = [r.grads[k] for k in self.params]
-            if (g[0].device, g[0].dtype) != (self.weights.device, self.weights.dtype):  # an engine elsewhere
-                g = [t.to(self.weights.device, self.weights.dtype) for t in g]
-            if total is not None:
-                torch._foreach_add_(g, total)  # one launch
-            total = g
-        for r in results.values():
-            r.grads = None  # the sum is p.grad now
-        if distributed.world()[1] > 1:  # under torchrun, every rank's sums and counts
-            total = total or [torch.zeros_like(p) for p in self.params.values()]
-            *total, n_loss = distributed.all_reduce_sum(total + [total[0].new_tensor([n, loss])])
-            n, loss = round(n_loss[0].item()), n_loss[1].item()
-        if n == 0:  # no finite share on any rank, so no update
-            self.skipped += 1
-            return dict(loss=math.nan, n=0, used=[], results=results)
-        for p, g in zip(self.params.values(), total):
-            p.grad = g
-        if n > 1:
-            torch._foreach_div_(total, float(n))  # the mean; one launch
-        return dict(loss=loss / n, n=n, used=sorted(used), results=results)
-
-    def update(self, out, grad_clip=0.0):
-        """One AdamW step from the mean gradient, clipped to norm grad_clip if > 0."""
-        norm = math.nan
-        if out['n']:
-            norm = float(self.clip(grad_clip))  # the host reads it before the update, not after
-            if math.isfinite(norm):  # finite shares can still sum past fp32's range
-                self.optimizer.step()
-            else:
-                self.skipped += 1
-                out |= dict(loss=math.nan, n=0, used=[])
-        self.optimizer.zero_grad(set_to_none=True)
-        out['grad_norm'] = norm  # before clipping
-        return out
-
-    def clip(self, grad_clip):
-        """The mean gradient's norm, read on the device; then clipped to grad_clip if > 0."""
+    def average(self, shares, used):
+        """The used shares' summed gradients over their microbatches into p.grad (under
+        torchrun every rank's sums first). (microbatches, mean loss, the mean gradient's
+        norm): the host waits for the devices once, to read the last two."""
+        n = sum(shares[name].n for name in used)
+        loss = sum(shares[name].loss.to(self.device) for name in used)
+        grads = {}
+        for k, p in self.params.items():
+            total = None
+            for name in used:  # an engine elsewhere sends its gradients here
+                g = shares[name].grads[k].to(p.device, p.dtype)
+                total = g if total is None else total + g
+            grads[k] = total
+        grads, n, loss = distributed.sum_over_ranks(grads, n, loss, self.params)
+        if n == 0:  # no usable share on any rank
+            return 0, math.nan, math.nan
+        for k, p in self.params.items():
+            p.grad = grads[k] / n
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.params.values()])
-        if grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params.values(), grad_clip, norm)
-        return norm
+        norm, loss = torch.stack([norm.float(), loss.float() / n]).tolist()  # the one wait
+        return n, loss, norm
+
+    def finite(self, share):
+        """Whether a share's loss and gradients are all finite (a wait for its device)."""
+        return math.isfinite(share.loss) and grads_finite(share.grads)
+
+    def update(self, result, grad_clip=0.0):
+        """One AdamW step from the mean gradient, its norm clipped to grad_clip if > 0."""
+        if result.n and 0 < grad_clip < result.grad_norm:
+            for p in self.params.values():
+                p.grad.mul_(grad_clip / (result.grad_norm + 1e-6))
+        if result.n:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+    def close(self):
+        """Ends the engines' threads (a step in flight finishes first)."""
+        for pool in self.threads.values():
+            pool.shutdown(wait=True)
 
 
 # -----------------------------------------------------------------------------
@@ -1219,15 +1321,26 @@ def get_batch(data, n, T, rng):
     """n random windows of T+1 tokens: inputs and next-token targets, int64 on the CPU."""
     ix = rng.integers(0, len(data) - T - 1, n)
     xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
-    return xy[:, :-1], xy[:, 1:]
+    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
 
 
 def step_batches(cfg, data, it):
-    """The step's microbatches. Seeded by (seed, step), so every mode, split, resume and
-    number of ranks sees the same batches at the same step."""
-    x, y = get_batch(data, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.block_size,
-                     np.random.default_rng((cfg.seed, it)))
-    return list(zip(x.split(cfg.batch_size), y.split(cfg.batch_size)))
+    """The step's microbatches, checked. Seeded by (seed, step), so every mode, split, resume
+    and number of ranks sees the same batches at the same step."""
+    n = cfg.batch_size * cfg.gradient_accumulation_steps
+    x, y = get_batch(data, n, cfg.block_size, np.random.default_rng((cfg.seed, it)))
+    microbatches = list(zip(x.split(cfg.batch_size), y.split(cfg.batch_size)))
+    check_microbatches(cfg, microbatches)
+    return microbatches
+
+
+def check_microbatches(cfg, microbatches):
+    """Bad data is the data's fault, not an engine's: one line, before any engine runs."""
+    try:
+        for idx, targets in microbatches:
+            check_batch(cfg, idx, targets)
+    except ValueError as e:
+        raise UserError(f"a microbatch is no valid input ({e}): the data is at fault") from None
 
 
 @torch.no_grad()
@@ -1235,21 +1348,24 @@ def evaluate(model, engine, cfg, data):
     """Mean validation loss: over eval_iters fixed random batches, or with eval_iters=0
     over the whole validation split in consecutive windows (every token predicted once)."""
     model.eval()
-    T, losses, weights = cfg.block_size, [], []
+    T = cfg.block_size
     if cfg.eval_iters > 0:
         rng = np.random.default_rng((cfg.seed, 2**32 - 1))  # not a training step's seed
         batches = [get_batch(data, cfg.batch_size, T, rng) for _ in range(cfg.eval_iters)]
     else:
         xy = torch.from_numpy(data[:(len(data) - 1) // T * T + 1].astype(np.int64))
-        x, y = xy[:-1].view(-1, T), xy[1:].view(-1, T)
+        x = xy[:-1].view(-1, T)
+        y = xy[1:].view(-1, T)
         batches = list(zip(x.split(cfg.batch_size), y.split(cfg.batch_size)))
+    total = 0.0
+    count = 0
     for x, y in batches:
         with engine.autocast:
             _, loss = model(x.to(engine.device), y.to(engine.device))
-        losses.append(loss.float() * x.numel())
-        weights.append(x.numel())
+        total += loss.float() * x.numel()
+        count += x.numel()
     model.train()
-    return float(sum(losses)) / sum(weights)
+    return float(total) / count
 
 
 def get_lr(cfg, it):
@@ -1260,12 +1376,15 @@ def get_lr(cfg, it):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def make_optimizer(model, cfg, device):
+def make_optimizer(model, cfg):
     """AdamW, nanoGPT's groups: weight decay on 2-D weights, none on biases and norms."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay},
-              {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)  # fused on MPS from torch 2.4
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{'params': decay, 'weight_decay': cfg.weight_decay},
+              {'params': no_decay, 'weight_decay': 0.0}]
+    # fused: one kernel for all weights, on CUDA, the CPU and (torch 2.4 on) MPS
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 @dataclass(frozen=True)
@@ -1274,120 +1393,138 @@ class Classes:
     model: type = GPT
     eager_engine: type = EagerEngine
     step: type = HeteroStep
+    split: type = ProbingSplit
 
 
 def build_run(cfg, run, log=print, classes=Classes()):
     """What a training run (and each bench.py mode) needs: the model (fp32 master weights,
     fp64 under --dtype float64), AdamW, the mode's engines, the step, a meter."""
     memory.preflight(cfg, run, model_sizes(cfg), log)
-    model = classes.model(model_config(cfg)).to(run.device, torch.float64 if run.dtype == torch.float64 else torch.float32)
-    optimizer = make_optimizer(model, cfg, run.device)
-    engines = build_engines(cfg, model, run, log, classes.eager_engine)
-    n = len(distributed.rank_share(range(cfg.gradient_accumulation_steps)))  # this rank's microbatches
-    split = Split(n, {'gpu': 0.0, 'ane': 1.0}.get(run.mode, run.ane_fraction))
+    master = torch.float64 if run.dtype == torch.float64 else torch.float32
+    model = classes.model(model_config(cfg)).to(run.device, master)
+    optimizer = make_optimizer(model, cfg)
+    if run.ane_programs and run.mode != 'gpu':  # the ANE's programs, exported once
+        export_programs(cfg, run, log)
+    ane_threads = worker.set_process_threads(run)  # this process's, and the ANE worker's
+    engines = build_engines(cfg, model, run, log, classes.eager_engine, ane_threads)
+    n = len(distributed.rank_share(range(cfg.gradient_accumulation_steps)))  # this rank's
+    fraction = {'gpu': 0.0, 'ane': 1.0}.get(run.mode, run.ane_fraction)
+    step = classes.step(model, engines, classes.split(n, fraction), log=log, optimizer=optimizer)
     meter = energy.EnergyMeter({run.device} | {e.device for e in engines.values()})
-    return model, optimizer, engines, classes.step(model, engines, split, log=log, optimizer=optimizer), meter
+    return model, optimizer, engines, step, meter
 
 
-def setup(cfg, given, log=print):
-    """(cfg, Run): the configuration checked, 'auto' resolved for this machine (settings.check)."""
-    gpt2, mac = cfg.preset == 'gpt2', MAC_GPT2 if cfg.preset == 'gpt2' or 'n_layer' in given else MAC_DEFAULTS
-    cfg, run = settings.check(cfg, given, {} if gpt2 else CPU_DEFAULTS, mac, log)  # a model given takes the Mac's 2x16
-    if run.device.type == 'cuda':  # fp32 matmuls on tensor cores (TF32), as nanoGPT
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    return cfg, run
+@dataclass
+class Progress:
+    """Where a run stands, as nanoGPT's iter_num and best_val_loss. A checkpoint keeps it."""
+    it: int = 0  # steps taken
+    tokens: int = 0  # tokens trained on, every rank's
+    elapsed: float = 0.0  # training seconds, evaluations not counted
+    best_val: float = math.inf  # the lowest validation loss
+    since_best: int = 0  # evaluations since the best
+    bad: int = 0  # steps in a row without a usable gradient
+
+    def stepped(self, result, tokens, seconds):
+        self.it += 1
+        self.tokens += tokens
+        self.elapsed += seconds
+        self.bad = 0 if result.n else self.bad + 1  # n counts every rank's microbatches
+
+    def evaluated(self, val):
+        """A scheduled evaluation's loss counted: whether it is the run's best so far."""
+        best = val < self.best_val
+        self.best_val = min(self.best_val, val)
+        self.since_best = 0 if best else self.since_best + 1
+        return best
+
+    def done(self, cfg):  # at max_iters, or past --patience
+        return self.it >= cfg.max_iters or 0 < cfg.patience <= self.since_best
 
 
-def train(cfg, given=frozenset(), classes=Classes()):
-    cfg, rank, _ = distributed.join_ranks(cfg)
-    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    cfg, restored = checkpoints.restore(cfg, given, ckpt_path, rank)  # --resume takes the run's own settings
-    cfg, init, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given | restored))  # (rank 0 downloads)
-    cfg, run = setup(cfg, given | restored | fixed)  # flags fixed by init count as given
-    old_run = checkpoints.check_out_dir(cfg)  # what --overwrite deletes (once all else is checked)
-    data = distributed.rank0_first(lambda: load_data(cfg))  # (rank 0 prepares a set that is missing)
+def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
+    """Trains as cfg says. on_step(prog, row, evaluate) -> row: a caller's own measures."""
+    cfg, run, rank = startup.resolve(cfg, given, CPU_DEFAULTS, MAC_DEFAULTS, MAC_GPT2)
+    data = distributed.rank0_first(lambda: load_data(cfg))  # rank 0 prepares a missing set
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir or '.', exist_ok=True)
-    log = tqdm.write if rank == 0 else lambda s: print(f"rank {rank}: {s}", file=sys.stderr)
+    log = progress.logger(rank)
     model, optimizer, engines, step, meter = build_run(cfg, run, log, classes)
-    device, dtype = run.device, run.dtype
-    if init and rank == 0 and not cfg.resume:  # (under torchrun the other ranks get rank 0's weights)
+    if cfg.init_from != 'scratch' and rank == 0 and not cfg.resume:  # the others get rank 0's
         print(f"fine-tuning from the weights in {pretrained.load(model, cfg.init_from)}")
-    prog = checkpoints.resume(cfg, given, ckpt_path, model, optimizer, step.split, engines, rank)  # where it stands
-    checkpoints.delete(old_run if rank == 0 else [])  # (--overwrite)
-    print(progress.header(model, cfg.mode, engines, meter))  # size, mode, engines, energy meter
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    prog = Progress(**checkpoints.resume(cfg, given, model, optimizer, step.split, engines, rank))
+    print(progress.header(model, cfg.mode, engines, meter))
+    eval_engine = engines.get('gpu') or AutogradEngine(model, run.device, run.dtype)
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    eval_engine = engines.get('gpu') or AutogradEngine(model, device, dtype)
-    metrics = progress.Metrics(os.path.join(cfg.out_dir, 'metrics.jsonl') if rank == 0 else os.devnull,
-                               cfg, device, engines, step, meter, prog)
-    timed = progress.Every(cfg.eval_seconds, prog.elapsed)  # evaluations at fixed training time
-    eta = progress.Eta(prog.it, cfg.max_iters, tok_per_step, cfg.batch_size * cfg.block_size, log if rank == 0 else None)
-    bar = tqdm(total=cfg.max_iters, initial=prog.it, disable=progress.no_bar(cfg.quiet), dynamic_ncols=True, desc='train')
-    bad, best_due, in_step = 0, False, False  # steps in a row without a usable gradient; a best not saved yet
+    metrics = progress.Metrics(cfg, rank, engines, step, meter, prog)
+    display = progress.Display(cfg, prog, rank, log)  # the bar, the first step's timer, the ETA
 
-    def checkpoint(best):  # rank 0 writes ckpt.pt, and best.pt if best
-        nonlocal best_due
+    def save(best=False):  # rank 0 writes ckpt.pt, and best.pt if best
         if rank == 0:
-            checkpoints.save_checkpoint(ckpt_path, checkpoints.state(cfg, model, optimizer, step.split, engines, prog), best)
-        best_due = False
+            state = checkpoints.state(cfg, model, optimizer, step.split, engines, prog)
+            checkpoints.save_checkpoint(ckpt_path, state, best)
 
-    if prog.done(cfg):  # a resumed run may be done
-        print(f"step {prog.it}, {prog.since_best} evaluations past the best (--max_iters {cfg.max_iters}, "
-              f"--patience {cfg.patience}): no steps to train")
     try:
         while not prog.done(cfg):
             lr = get_lr(cfg, prog.it)
-            for g in optimizer.param_groups:
-                g['lr'] = lr
+            for group in optimizer.param_groups:
+                group['lr'] = lr
             t0 = time.perf_counter()
             microbatches = distributed.rank_share(step_batches(cfg, data['train'], prog.it))
-            with progress.first_step(prog.it == eta.start):  # its time shown while it compiles and warms up
-                in_step, out = True, step(microbatches)  # both engines; the mean gradient into p.grad
-                step.update(out, cfg.grad_clip)  # one AdamW step
-            prog.stepped(tok_per_step, time.perf_counter() - t0)  # it, tokens, elapsed
-            in_step, bad = False, 0 if out['n'] else bad + 1  # n counts usable microbatches on every rank
-            if cfg.max_bad_steps and bad >= cfg.max_bad_steps:  # diverged, so stop before any checkpoint
-                raise checkpoints.diverged(cfg, prog.it, bad, out['loss'], engines, ckpt_path)
-            row = metrics.row(prog, lr, out) if prog.it % cfg.log_interval == 0 or prog.it == cfg.max_iters else {}
-            scheduled = prog.it % cfg.eval_interval == 0 or prog.it == cfg.max_iters
-            if (at := timed.due(prog.elapsed)) or scheduled:  # timed ones use each rank's clock, no collective
-                if scheduled:
-                    distributed.check_same_weights(model, prog.it)
+            result = step(microbatches)  # both engines, the mean gradient into p.grad
+            step.update(result, cfg.grad_clip)  # one AdamW step
+            prog.stepped(result, tok_per_step, time.perf_counter() - t0)
+            if cfg.max_bad_steps and prog.bad >= cfg.max_bad_steps:  # diverged: no checkpoint
+                raise checkpoints.diverged(cfg, prog.it, prog.bad, result.loss, engines, ckpt_path)
+            last = prog.it == cfg.max_iters
+            row = {}
+            if prog.it % cfg.log_interval == 0 or last:
+                row = metrics.row(prog, lr, result)
+            if prog.it % cfg.eval_interval == 0 or last:
+                distributed.check_same_weights(model, prog.it)
                 val = evaluate(model, eval_engine, cfg, data['val'])
-                val = distributed.from_rank0(val) if scheduled else val  # one stop decision for all ranks
-                row = metrics.with_val(row, prog, val, at)
-            if saving := scheduled and (not bad or prog.it == cfg.max_iters):  # not after a dropped step
-                best_due = prog.evaluated(val)  # the best loss, and evaluations since
+                val = distributed.from_rank0(val)  # one stop decision for all ranks
+                row = metrics.with_val(row, prog, val)
+            if on_step:
+                row = on_step(prog, row, lambda: evaluate(model, eval_engine, cfg, data['val']))
             metrics.write(row)  # the log first, so a resumed run never lacks a row
-            if saving:
-                checkpoint(best_due)
-            progress.show(bar, row, cfg.max_iters, rank)  # on the bar, or a line of text
-            eta.say(prog.it, prog.elapsed, out['results'])  # the projected time, said once
-            bar.update(1)
+            if 'val_loss' in row and 'eval_at_seconds' not in row and (prog.bad == 0 or last):
+                save(best=prog.evaluated(row['val_loss']))  # not after a dropped step
+            display.stepped(prog, row, result)
+        display.close()
         if prog.it < cfg.max_iters:
-            print(f"step {prog.it}: stopped early, {prog.since_best} evaluations without a lower validation loss (--patience)")
-    except KeyboardInterrupt:  # saved, one line; mid-step it exits now (130), else main does
-        return progress.stop_run(lambda: checkpoint(best_due), f"saved step {prog.it} in {ckpt_path}", in_step, model)
+            print(f"step {prog.it}: stopped early, {prog.since_best} evaluations without a "
+                  "lower validation loss (--patience)")
+    except KeyboardInterrupt:  # saved, in one line
+        display.close()
+        progress.stop_run(save, f"saved step {prog.it} in {ckpt_path}")
     finally:
-        bar.close()
+        step.close()
         meter.close()
         metrics.close()
         distributed.leave()  # torchrun's group, after an end or Ctrl-C
-    if cfg.sample_tokens > 0 and rank == 0:  # the run ends holding its best weights, and shows text from them
-        checkpoints.closing_sample(model, ckpt_path, cfg.sample_tokens, device, eval_engine.autocast)
+    if cfg.sample_tokens > 0 and rank == 0 and not progress.stopped():
+        # the run ends holding its best weights, and shows text from them
+        checkpoints.closing_sample(model, ckpt_path, cfg.sample_tokens, run.device,
+                                   eval_engine.autocast)
     return model
 
 
 def parse_args(argv=None, cls=Config, description="HeteroEngine: GPT-2 on GPU and ANE at once."):
     """(cls(...) from the flags, the names of the flags given)."""
-    return settings.parse_args(argv, cls, description, settings.machine_defaults(CPU_DEFAULTS, MAC_DEFAULTS))
+    here = settings.machine_defaults(CPU_DEFAULTS, MAC_DEFAULTS, MAC_GPT2)
+    return settings.parse_args(argv, cls, description, here)
 
 
 def main(argv=None, run=train, cls=Config, description=None):
-    """Parses the flags (of cls) and runs `run(cfg, given)`; a UserError is one line, exit 2; Ctrl-C, exit 130."""
-    cfg, given = parse_args(argv, cls, *([description] if description else []))
+    """Parses the flags (of cls) and runs `run(cfg, given)`. A UserError is one line, exit 2;
+    Ctrl-C is one line, exit 130 (SIGTERM 143, SIGHUP 129)."""
+    if description:
+        cfg, given = parse_args(argv, cls, description)
+    else:
+        cfg, given = parse_args(argv, cls)
     try:
-        with progress.ctrl_c_exits():  # Ctrl-C prints one line, exits 130
+        with progress.ctrl_c_exits():
             return run(cfg, given)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -61,11 +61,10 @@ def model_args(path):
 
 
 def configure(cfg, given):
-    """(cfg with --init_from's model, its folder, the flags it fixed); (cfg, None, set()) for
-    scratch. A model flag given that disagrees is an error; a shorter --block_size keeps the
+    """(cfg with --init_from's model, the flags it fixed); (cfg, set()) for scratch. A model flag given that disagrees is an error; a shorter --block_size keeps the
     first positions (as nanoGPT's crop_block_size), a longer one is an error."""
     if cfg.init_from == 'scratch':
-        return cfg, None, set()
+        return cfg, set()
     path = folder(cfg.init_from)  # config.json alone: the weights once the run is checked (load)
     args = model_args(path)
     for k in MODEL_FLAGS:
@@ -74,11 +73,12 @@ def configure(cfg, given):
                             "leave it out, the model's size comes from the checkpoint")
     cfg = dataclasses.replace(cfg, **{k: args[k] for k in MODEL_FLAGS})
     if cfg.block_size <= args['block_size']:
-        return cfg, path, set(MODEL_FLAGS)
+        return cfg, set(MODEL_FLAGS)
     if 'block_size' in given:
         raise UserError(f"--block_size {cfg.block_size}: --init_from {cfg.init_from} has {args['block_size']} "
                         "positions; a shorter context keeps the first ones")
-    return dataclasses.replace(cfg, block_size=args['block_size']), path, set(MODEL_FLAGS) | {'block_size'}
+    cfg = dataclasses.replace(cfg, block_size=args['block_size'])
+    return cfg, set(MODEL_FLAGS) | {'block_size'}
 
 
 def state_dict(path, block_size):

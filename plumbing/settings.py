@@ -62,38 +62,48 @@ LIMITS = (('> 0', lambda v: 0 < v < math.inf, 'batch_size gradient_accumulation_
 
 def add_flags(parser, cls, skip=(), here=None):
     """One --flag per field of the dataclass cls, typed and documented by the field. A subclass's
-    own fields come first, in a group of their own. here: (defaults that replace the fields' on
-    this machine, where): --help shows both."""
-    defaults, where = here or ({}, '')
+    own fields come first, in a group of their own. here: machine_defaults(...), so that --help
+    shows this machine's defaults beside the fields' own."""
+    defaults, where, gpt2 = here or ({}, '', {})
     fields = [f for f in dataclasses.fields(cls) if f.name not in skip]
     parent = cls.__mro__[1]  # a script's settings over the trainer's (bench.py): its own flags first
-    base = {f.name for f in dataclasses.fields(parent)} if dataclasses.is_dataclass(parent) else set()
+    base = set()
+    if dataclasses.is_dataclass(parent):
+        base = {f.name for f in dataclasses.fields(parent)}
     if parent.__module__ != cls.__module__ and any(f.name not in base for f in fields):
-        script = os.path.basename(getattr(sys.modules.get(cls.__module__), '__file__', None) or cls.__name__)
-        own = parser.add_argument_group(f"{script}'s own flags")
+        script = getattr(sys.modules.get(cls.__module__), '__file__', None) or cls.__name__
+        own = parser.add_argument_group(f"{os.path.basename(script)}'s own flags")
         rest = parser.add_argument_group("the trainer's flags (hetero_gpt.py)")
-        fields = [(own, f) for f in fields if f.name not in base] + [(rest, f) for f in fields if f.name in base]
+        ours = [(own, f) for f in fields if f.name not in base]
+        fields = ours + [(rest, f) for f in fields if f.name in base]
     else:
         fields = [(parser, f) for f in fields]
     for group, f in fields:
-        text = f.metadata['help'] + (f" (default {where}: {defaults[f.name]}; with a CUDA GPU or --preset gpt2: "
-                                     "%(default)s)" if f.name in defaults else '')
+        text = f.metadata['help']
+        if f.name in defaults:
+            preset = gpt2.get(f.name, f.default)
+            text += (f" (default {where}: {defaults[f.name]}; with --preset gpt2: {preset}; "
+                     "with a CUDA GPU: %(default)s)")
         if f.type in (bool, 'bool'):
-            group.add_argument(f'--{f.name}', type=parse_bool, nargs='?', const=True, default=f.default, help=text)
+            group.add_argument(f'--{f.name}', type=parse_bool, nargs='?', const=True,
+                               default=f.default, help=text)
         else:
             typ = {'int': int, 'float': float, 'str': str}.get(f.type, f.type)
             group.add_argument(f'--{f.name}', type=typ, default=f.default, help=text)
 
 
-def machine_defaults(cpu_defaults, mac_defaults):
-    """(the defaults that replace Config's for flags not given on this machine, its name), as check() picks them."""
+def machine_defaults(cpu_defaults, mac_defaults, mac_gpt2):
+    """(the defaults for flags not given on this machine, its name, --preset gpt2's there),
+    as check() picks them."""
     try:
         device = resolve_device('auto')
     except UserError:
-        return {}, ''
+        return {}, '', {}
     if device.type == 'cpu':
-        return cpu_defaults, 'here, no GPU'
-    return (mac_defaults, 'on this Mac') if ON_MAC else ({}, '')
+        return cpu_defaults, 'here, no GPU', {}
+    if ON_MAC:
+        return mac_defaults, 'on this Mac', mac_gpt2
+    return {}, '', {}
 
 
 def setting(default, help):
@@ -287,16 +297,26 @@ class Run:
     ane_fraction: float = None  # the ANE's share in mode hetero; None: auto
 
 
-def check(cfg, given, cpu_defaults, mac_defaults, log=print):
+def machine_defaults_now(device, cpu_defaults, mac_defaults):
+    """(the defaults for flags not given on this device, why, in a few words)."""
+    if device.type == 'cpu':
+        return cpu_defaults, "no GPU: small model and short run for the CPU"
+    if not ON_MAC:
+        return {}, ''
+    if 'n_layer' in mac_defaults:
+        return mac_defaults, "on a Mac: a run sized for an hour on a base chip (--preset gpt2: GPT-2 124M)"
+    return mac_defaults, "on a Mac: GPT-2 124M in microbatches that fit a 16 GB one"
+
+
+def check(cfg, given, cpu_defaults, mac_defaults, log=print, kept=frozenset()):
     """Checks every setting and resolves what 'auto' means on this machine: (cfg, Run), cfg a
     new Config (the one given is left as it is). On a machine without an accelerator,
-    cpu_defaults replace the settings the user did not give; on a Mac, mac_defaults."""
+    cpu_defaults replace the settings not given; on a Mac, mac_defaults. kept: settings that
+    --resume or --init_from fixed, which keep their values too."""
     device = resolve_device(cfg.device)
-    defaults, why = ((cpu_defaults, "no GPU: small model and short run for the CPU") if device.type == 'cpu' else
-                     (mac_defaults, "on a Mac: a run sized for an hour on a base chip (--preset gpt2: GPT-2 124M)"
-                      if 'n_layer' in mac_defaults else "on a Mac: microbatches that fit a 16 GB one") if ON_MAC else ({}, ''))
-    changed = {k: v for k, v in defaults.items() if k not in given}
-    if changed:
+    defaults, why = machine_defaults_now(device, cpu_defaults, mac_defaults)
+    changed = {k: v for k, v in defaults.items() if k not in given and k not in kept}
+    if changed:  # one line names every default this machine changes
         log(f"{why} (any flag overrides): " + ' '.join(f'{k}={v}' for k, v in changed.items()))
     if cfg.mode == 'auto':
         no_ane = ON_MAC and mac_without_ane()

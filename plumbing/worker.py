@@ -24,6 +24,7 @@ import math
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import weakref
 from multiprocessing import shared_memory
@@ -283,3 +284,18 @@ def _shutdown(proc, conn, bufs):  # weakref.finalize calls it at most once per w
         proc.kill()
         proc.join()
     bufs.close()
+
+
+def set_process_threads(run):
+    """This process's CPU threads and GIL switch interval for run's engines. Returns the
+    ANE worker's threads."""
+    threads = CPU_THREADS  # every core, unless the ANE engine shares them
+    ane_threads = 1
+    if run.mode != 'gpu' and run.ane_in_worker:
+        ane_threads, threads = share_cores(run.device.type == 'cpu')
+        sys.setswitchinterval(SWITCH_S)  # a worker's answer waits about 0.5 ms for the GIL, not 5
+    elif run.mode == 'hetero' and not run.ane_programs and run.ane_device.type == 'cpu':
+        if run.device.type != 'cpu':
+            threads = share_cores(gpu_on_cpu=False)[1]  # a core left to the GPU's feeder
+    torch.set_num_threads(threads)
+    return ane_threads

@@ -113,7 +113,10 @@ def test_each_project_import_of_the_reference_says_what_it_brings():
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)) and targets(node, 'hetero_gpt', modules):
             where = f'hetero_gpt.py:{node.lineno} `{ast.unparse(node)}`'
-            names = listed(' '.join(lines[node.lineno - 1:node.end_lineno]).partition('#')[2])
+            end = node.end_lineno
+            while end < len(lines) and lines[end].startswith('#   '):  # a list continued below
+                end += 1
+            names = listed(' '.join(lines[node.lineno - 1:end]).partition('#')[2].replace('#   ', ''))
             if names is None:
                 wrong.append(f'{where} has no `# defines: ...` comment')
                 continue
