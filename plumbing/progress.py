@@ -238,17 +238,52 @@ def stop_run(save, where, in_step, result):
 
 @contextlib.contextmanager
 def ctrl_c_exits():
-    """Ctrl-C inside: one line and exit code 130, as after a run that stop_run stopped."""
+    """Ctrl-C inside: one line and exit code 130, as after a run that stop_run stopped.
+    SIGTERM and SIGHUP the same, with 143 and 129."""
     _stopped.clear()
     try:
-        yield
+        with stop_signals():
+            yield
     except KeyboardInterrupt:
         interrupted()
     if _stopped:  # the workers stopped now, not by finalizers while the interpreter shuts down
         with hold_ctrl_c():
             for stop in ON_INTERRUPT:
                 stop()
-        sys.exit(INTERRUPTED)
+        sys.exit(exit_code())
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (a kill, `timeout`) or SIGHUP (a closed terminal), raised as Ctrl-C is."""
+
+
+_code = [INTERRUPTED]  # the exit code: 128 + the signal that stopped the run
+
+
+def stop_like_ctrl_c(signum, frame):
+    """A SIGTERM or SIGHUP handler: the run stops as at Ctrl-C, with 128 + signum."""
+    _code[0] = 128 + signum
+    raise Stopped(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Inside, SIGTERM and SIGHUP stop the main thread as Ctrl-C does (Stopped)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _code[0] = INTERRUPTED
+    before = {s: signal.signal(s, stop_like_ctrl_c) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def exit_code():
+    """130 after Ctrl-C, 143 after SIGTERM, 129 after SIGHUP."""
+    return _code[0]
 
 
 def interrupted(what="interrupted"):
@@ -263,8 +298,8 @@ def interrupted(what="interrupted"):
     for stop in ON_INTERRUPT:
         stop()
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
-        os._exit(INTERRUPTED)  # (concurrent.futures would join an engine's thread mid-step)
-    sys.exit(INTERRUPTED)
+        os._exit(exit_code())  # (concurrent.futures would join an engine's thread mid-step)
+    sys.exit(exit_code())
 
 
 @contextlib.contextmanager

@@ -28,9 +28,16 @@ What it imitates, and where PyTorch says so:
   stream runs, so `idx` can arrive holding `targets`. A dense source is read, uncopied, when
   the stream runs too: writing it before then changes what arrives. A blocking copy waits.
   MACOS_DOUBLE_MPS_COPY=retain: the fixed release, which keeps the source until the copy ran.
+- MACOS_DOUBLE_MPS_SLOW=seconds: each backward pass of a graph on 'mps' queues that much GPU
+  work (a long step of a large model, without its size). The backward returns, as MPS queues
+  its kernels; the next op or read in any thread waits until the work is done, as one MPS
+  stream serves every thread (MPSStream.mm, getDefaultMPSStream). That wait is Metal's
+  waitUntilCompleted, in C: a signal arriving meanwhile runs its Python handler only after it.
 """
 import os
+import signal
 import threading
+import time
 import weakref
 
 import torch
@@ -42,6 +49,7 @@ _lock = threading.RLock()  # one stream for the process: ops of all threads in o
 _pending = []  # queued host-to-device copies: (destination, source read when the stream runs)
 _free_blocks = {}  # freed host blocks by size, reused by the next clone of that size
 _mem = dict(live={}, current=0, cached=0)  # storage data_ptr -> [bytes, wrappers]; bytes held; cached
+_busy = dict(until=0.0)  # monotonic time the queued GPU work ends (MACOS_DOUBLE_MPS_SLOW)
 
 
 def macos_version():
@@ -95,6 +103,7 @@ class MPSTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        _wait_busy()  # outside the lock, so no thread waits on it meanwhile
         with _lock:
             if func is aten.copy_.default:
                 return _copy(*args, **kwargs)
@@ -166,9 +175,37 @@ def _dense_in_storage(t):  # Copy.mm's is_dense_in_storage: the elements span no
 
 def _run_stream():
     with _lock:
+        _wait_busy()
         while _pending:
             dst, src = _pending.pop(0)
             dst.copy_(src)
+
+
+def _wait_busy():
+    """Waits for queued GPU work, deaf to signals as a C wait is; their handlers run after."""
+    left = _busy['until'] - time.monotonic()
+    if left <= 0:
+        return
+    stops = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # this thread only
+    try:
+        while left > 0:  # time.sleep wakes early only for a signal, now blocked here
+            time.sleep(left)
+            left = _busy['until'] - time.monotonic()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def slow_backward(backward, seconds):
+    """torch.autograd.backward whose pass on 'mps' queues `seconds` of GPU work."""
+    def queued(tensors, *args, **kwargs):
+        out = backward(tensors, *args, **kwargs)
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if any(isinstance(t, MPSTensor) for t in roots):
+            with _lock:
+                _busy['until'] = max(_busy['until'], time.monotonic()) + seconds
+        return out
+    return queued
 
 
 def _track(wrapper, inner):
@@ -202,6 +239,7 @@ def _host(kwargs):  # a factory's arguments for 'mps', for its CPU tensor that h
 
 
 def synchronize():
+    _wait_busy()
     _run_stream()
 
 
@@ -225,6 +263,7 @@ def to(self, *args, **kwargs):
     if device.type == 'mps':
         dst = torch.empty(self.shape, dtype=dtype, device=MPS)
         return dst.copy_(self, non_blocking=non_blocking)
+    _wait_busy()
     with _lock:
         _run_stream()
         return _to(self.inner, dtype=dtype, copy=True)
@@ -259,4 +298,6 @@ def install():
     torch.mps.empty_cache = empty_cache
     torch.mps.current_allocated_memory = lambda: _mem['current']
     torch.mps.driver_allocated_memory = lambda: _mem['current'] + _mem['cached']
+    if float(os.environ.get('MACOS_DOUBLE_MPS_SLOW', 0)) > 0:  # Tensor.backward calls this one
+        torch.autograd.backward = slow_backward(torch.autograd.backward, float(os.environ['MACOS_DOUBLE_MPS_SLOW']))
     torch.mps.recommended_max_memory = lambda: int(0.75 * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
