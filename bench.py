@@ -65,7 +65,7 @@ def bench_mode(cfg, run, data, init, tok_per_step, n_tok, ticker, classes):
                 t = time.perf_counter()
                 out = train_step(10**6 + r * cfg.bench_iters + i)  # the same batches in every mode
                 rd['step_s'].append(time.perf_counter() - t)
-                for n, res in out['results'].items():
+                for n, res in out.shares.items():
                     rd['engine_s'].setdefault(n, []).append(res.seconds)
             sync()
             dt, j = time.perf_counter() - t0, meter.joules()
@@ -73,7 +73,7 @@ def bench_mode(cfg, run, data, init, tok_per_step, n_tok, ticker, classes):
             rd['joules'].append(None if j is None else j - j0)
         return dict(tok_s=statistics.median(rd['tok_s']), rounds=[round(x) for x in rd['tok_s']],
                     j_tok=None if None in rd['joules'] else sum(rd['joules']) / n_tok,
-                    split=f"{out['ane_share']}/{step.split.microbatches}" if mode == 'hetero' else '-',
+                    split=f"{out.ane_share}/{step.split.microbatches}" if mode == 'hetero' else '-',
                     engines=' + '.join(e.label for e in engines.values()), meter=meter.name,
                     # where a step's time goes: each engine's share (in parallel), the whole step
                     ms_step=1000 * statistics.median(rd['step_s']),

@@ -32,14 +32,6 @@ def export_programs(cfg, B, T, path, whole_step=False):
     return programs.export_programs(cfg, B, T, path, hg.build_coreml_program, ('step',) if whole_step else hg.ANE_PIECES)
 
 
-def open_programs(path, predict=None, scaler=None):
-    """A CoreMLEngine on the programs in path (Core ML on a Mac, the NumPy evaluator elsewhere),
-    or on another predict(piece, inputs) -> outputs."""
-    engine = hg.coreml_engine(path, scaler)
-    engine.predict = predict or engine.predict
-    return engine
-
-
 def print_report(reports, cfg, B, T):
     """One line per program, then one microbatch of B sequences through all of them."""
     print(f"{'program':<15}{'calls':>6}{'ops':>6}{'GFLOP':>9}{'MiB in':>9}{'MiB out':>9}{'MiB live':>10}"
@@ -61,17 +53,17 @@ def print_report(reports, cfg, B, T):
           f"largest dimension {st['largest_dim']} (ANE limit {programs.ANE_MAX_DIM})")
 
 
-def trainer_run(a, given):
-    """The run the trainer makes on a Mac with these flags (its defaults: MAC_DEFAULTS, or with
-    --preset gpt2 GPT-2 124M in microbatches of 2): the exporter's and the check's defaults."""
-    mac = dict(hg.MAC_GPT2 if a.preset == 'gpt2' or 'n_layer' in given else hg.MAC_DEFAULTS)
+def trainer_config(a, given):
+    """The Config the trainer runs on a Mac with these flags: its Mac defaults (MAC_DEFAULTS,
+    or under --preset gpt2 GPT-2 124M's with MAC_GPT2), then the flags given."""
+    mac = hg.MAC_GPT2 if a.preset == 'gpt2' else hg.MAC_DEFAULTS
     model = {f.name: getattr(a, f.name) for f in dataclasses.fields(hg.GPTConfig) if f.name in given}
-    run = hg.Config(**(mac | model))
+    tcfg = hg.Config(**(mac | model))
     if a.ane_batch_size:
-        run.ane_batch_size = a.ane_batch_size
+        tcfg.ane_batch_size = a.ane_batch_size
     if a.gpu_batch:
-        run.batch_size = a.gpu_batch
-    return run
+        tcfg.batch_size = a.gpu_batch
+    return tcfg
 
 
 def main(argv=None):
@@ -94,21 +86,22 @@ def main(argv=None):
     a = p.parse_args(argv)
     given = {x.split('=')[0][2:] for x in (argv if argv is not None else sys.argv[1:]) if x.startswith('--')}
     try:
-        run = trainer_run(a, given)
-        cfg = hg.model_config(run)
+        tcfg = trainer_config(a, given)
+        cfg = hg.model_config(tcfg)
         settings.check_model(cfg)
-        B, T = settings.ane_batch(run), cfg.block_size
+        B = settings.ane_batch(tcfg)
+        T = cfg.block_size
         out = a.out or os.path.join('out', f'ane_B{B}_T{T}')
         if settings.ON_MAC:  # (a coremltools without its native libraries cannot save a program either)
             settings.check_coreml()
             settings.check_ane_alignment(cfg, T)
         programs.check_shapes(B, T, cfg.block_size)
         if a.check:  # the programs are exported by its own stage, in a process of their own
-            if run.batch_size % B:
-                raise settings.UserError(f"--ane_batch_size {B} must divide --gpu_batch {run.batch_size}: the worker runs "
+            if tcfg.batch_size % B:
+                raise settings.UserError(f"--ane_batch_size {B} must divide --gpu_batch {tcfg.batch_size}: the worker runs "
                                          "the GPU's microbatch in calls of that many sequences")
-            tokens = run.max_iters * run.batch_size * run.gradient_accumulation_steps * T
-            return ane_check.main(cfg, B, T, out, run.batch_size, a.check_report, a.stage_timeout, a.stages,
+            tokens = tcfg.max_iters * tcfg.batch_size * tcfg.gradient_accumulation_steps * T
+            return ane_check.main(cfg, B, T, out, tcfg.batch_size, a.check_report, a.stage_timeout, a.stages,
                                   run_tokens=tokens)
         t0 = time.perf_counter()
         reports = export_programs(cfg, B, T, out, a.whole_step)

@@ -43,12 +43,14 @@ from plumbing import distributed  # defines: rank0_first, rank_share, sum_over_r
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
 from plumbing import pretrained  # defines: load (OpenAI's GPT-2 in this layout)
-from plumbing import progress  # defines: logger, header, Metrics, Display, stop_run, ctrl_c_exits
+from plumbing import progress  # defines: logger, header, Metrics, Display, with_val, stop_run,
+#   ctrl_c_exits
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary,
 #   numpy_programs, check_shapes, coreml_predict, peaks
 from plumbing import settings  # defines: parse_args, import_coremltools, one_line,
 #   machine_defaults
-from plumbing import startup  # defines: resolve (the run's final settings, once)
+from plumbing import startup  # defines: resolve (the run's final settings, once),
+#   machine_settings
 from plumbing import worker  # defines: WorkerEngine (the ANE engine in its own process),
 #   set_process_threads
 from plumbing.programs import ANE_MAX_DIM, ANE_OVERFLOW  # defines: ANE_MAX_DIM, ANE_OVERFLOW
@@ -110,7 +112,6 @@ class Config(GPTConfig):
     # evaluation, logging, checkpoints
     eval_interval: int = setting(100, "evaluate validation loss and save a checkpoint every this many steps")
     eval_iters: int = setting(20, "validation batches per evaluation (0: the full validation split)")
-    eval_seconds: float = setting(0.0, "also evaluate each time training time passes a multiple of this (0: off)")
     log_interval: int = setting(10, "print and log training metrics every this many steps")
     out_dir: str = setting('out', "checkpoints and metrics.jsonl go here")
     resume: bool = setting(False, "resume from out_dir/ckpt.pt")
@@ -1162,8 +1163,8 @@ def run_engine(engine, microbatches, timed):
 
 
 def grads_finite(grads):
-    """Whether every gradient is finite: their norm is finite iff all their values are."""
-    return math.isfinite(torch.nn.utils.get_total_norm(list(grads.values())))
+    """Whether every gradient is finite (a wait for their device)."""
+    return all(bool(g.isfinite().all()) for g in grads.values())
 
 
 @dataclass
@@ -1206,7 +1207,8 @@ class HeteroStep:
         # the GPU engine's copies read these host tensors until the wait below
         self.inputs = [(x.contiguous(), y.contiguous()) for x, y in microbatches]
         shares = self.run_shares(self.inputs[:k], self.inputs[k:])
-        self.split.observe(shares, k)
+        if len(self.alive) == 2:  # both engines still alive: timed
+            self.split.observe(shares, k)
         used = sorted(shares)
         n, loss, norm = self.average(shares, used)
         if not math.isfinite(loss + norm):  # a share overflowed: average the others
@@ -1238,13 +1240,13 @@ class HeteroStep:
                 shares[name] = future.result()
             except Exception as e:  # training goes on with the other engine
                 errors[name] = e
+        self.alive -= set(errors)
         for name, error in errors.items():
             self.retire(name, error, todo[name], shares)
         return shares
 
     def retire(self, name, error, microbatches, shares):
         """An engine that raised is reported and retired; the other runs its share too."""
-        self.alive.discard(name)
         self.dropped[name] += 1
         self.log(f"engine '{name}' ({self.engines[name].label}) failed: {error!r}; "
                  f"continuing with {sorted(self.alive) or 'nothing'}")
@@ -1414,6 +1416,11 @@ def build_run(cfg, run, log=print, classes=Classes()):
     return model, optimizer, engines, step, meter
 
 
+def setup(cfg, given, log=print):
+    """(cfg, Run) on this machine, for a caller that is not a training run (bench.py)."""
+    return startup.machine_settings(cfg, given, CPU_DEFAULTS, MAC_DEFAULTS, MAC_GPT2, log)
+
+
 @dataclass
 class Progress:
     """Where a run stands, as nanoGPT's iter_num and best_val_loss. A checkpoint keeps it."""
@@ -1464,6 +1471,9 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
             state = checkpoints.state(cfg, model, optimizer, step.split, engines, prog)
             checkpoints.save_checkpoint(ckpt_path, state, best)
 
+    if prog.done(cfg):  # a resumed run may be done
+        print(f"step {prog.it}, {prog.since_best} evaluations past the best (--max_iters "
+              f"{cfg.max_iters}, --patience {cfg.patience}): no steps to train")
     try:
         while not prog.done(cfg):
             lr = get_lr(cfg, prog.it)
@@ -1477,33 +1487,36 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
             if cfg.max_bad_steps and prog.bad >= cfg.max_bad_steps:  # diverged: no checkpoint
                 raise checkpoints.diverged(cfg, prog.it, prog.bad, result.loss, engines, ckpt_path)
             last = prog.it == cfg.max_iters
+            evaluating = prog.it % cfg.eval_interval == 0 or last
             row = {}
             if prog.it % cfg.log_interval == 0 or last:
                 row = metrics.row(prog, lr, result)
-            if prog.it % cfg.eval_interval == 0 or last:
+            if evaluating:
                 distributed.check_same_weights(model, prog.it)
                 val = evaluate(model, eval_engine, cfg, data['val'])
                 val = distributed.from_rank0(val)  # one stop decision for all ranks
-                row = metrics.with_val(row, prog, val)
+                row = progress.with_val(row, prog, val)
             if on_step:
                 row = on_step(prog, row, lambda: evaluate(model, eval_engine, cfg, data['val']))
             metrics.write(row)  # the log first, so a resumed run never lacks a row
-            if 'val_loss' in row and 'eval_at_seconds' not in row and (prog.bad == 0 or last):
-                save(best=prog.evaluated(row['val_loss']))  # not after a dropped step
+            if evaluating and (prog.bad == 0 or last):  # not after a dropped step
+                save(best=prog.evaluated(val))
             display.stepped(prog, row, result)
-        display.close()
+        display.close()  # before the line below
         if prog.it < cfg.max_iters:
             print(f"step {prog.it}: stopped early, {prog.since_best} evaluations without a "
                   "lower validation loss (--patience)")
-    except KeyboardInterrupt:  # saved, in one line
+    except KeyboardInterrupt:  # saved, in one line; main exits 130
         display.close()
         progress.stop_run(save, f"saved step {prog.it} in {ckpt_path}")
+        return model
     finally:
+        display.close()
         step.close()
         meter.close()
         metrics.close()
         distributed.leave()  # torchrun's group, after an end or Ctrl-C
-    if cfg.sample_tokens > 0 and rank == 0 and not progress.stopped():
+    if cfg.sample_tokens > 0 and rank == 0:
         # the run ends holding its best weights, and shows text from them
         checkpoints.closing_sample(model, ckpt_path, cfg.sample_tokens, run.device,
                                    eval_engine.autocast)

@@ -34,7 +34,7 @@ if a.fast:
     classes = fast_standin.classes(cfg)
 torch.manual_seed(1337)
 model = classes.model(hg.model_config(cfg)).to(device)
-optimizer = hg.make_optimizer(model, cfg, device)
+optimizer = hg.make_optimizer(model, cfg)
 step = classes.step(model, hg.build_engines(cfg, model, run), hg.Split(1, 0.0), optimizer=optimizer)
 x = torch.randint(a.vocab_size, (a.batch_size, a.block_size), device=device)
 y = torch.randint(a.vocab_size, (a.batch_size, a.block_size), device=device)

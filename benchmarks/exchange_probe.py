@@ -14,7 +14,7 @@ if __name__ == '__main__':
     for V, thr in ((100, 1), (50257, 1), (50257, 2), (50257, 8)):
         cfg = hg.GPTConfig(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=64)
         spec = hg.AneSpec(cfg, T=64, max_batch=1, threads=thr)
-        w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
+        w = worker.WorkerEngine(spec, hg.engine_from_spec, hg.LossScaler(1.0, 0, enabled=False))
         w.load_weights(dict(hg.GPT(cfg).named_parameters()))
         b = tuple(torch.randint(0, V, (1, 64)) for _ in range(2))
         ov, inner = [], []

@@ -26,7 +26,7 @@ if __name__ == '__main__':
     cfg = hg.GPTConfig(**{f.name: getattr(p.parse_args(), f.name) for f in dataclasses.fields(hg.GPTConfig)})
     torch.set_num_threads(1)
     spec = hg.AneSpec(cfg, T=cfg.block_size, max_batch=1)
-    w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
+    w = worker.WorkerEngine(spec, hg.engine_from_spec, hg.LossScaler(1.0, 0, enabled=False))
     sys.setswitchinterval(interval := 0.02)  # the interval under test
     params = dict(hg.GPT(cfg).named_parameters())
     batch = tuple(torch.randint(0, cfg.vocab_size, (1, cfg.block_size)) for _ in range(2))

@@ -27,29 +27,7 @@ CKPT_KEYS = ('model', 'optimizer', 'model_args', 'iter_num', 'tokens', 'elapsed'
              'loss_scales')
 
 
-@dataclasses.dataclass
-class Progress:
-    """Where a run stands: its counters, a new run's by default. A checkpoint holds them by
-    the names in KEYS, as nanoGPT's iter_num and best_val_loss."""
-    it: int = 0  # steps taken
-    tokens: int = 0  # tokens trained on, every rank's
-    elapsed: float = 0.0  # training seconds, evaluations not counted
-    best_val: float = float('inf')  # the lowest validation loss
-    since_best: int = 0  # evaluations since the best
-
-    def stepped(self, tokens, seconds):  # one step more
-        self.it, self.tokens, self.elapsed = self.it + 1, self.tokens + tokens, self.elapsed + seconds
-
-    def evaluated(self, val):
-        """A scheduled evaluation's loss counted: whether it is the run's best so far."""
-        best = val < self.best_val
-        self.best_val, self.since_best = min(self.best_val, val), 0 if best else self.since_best + 1
-        return best
-
-    def done(self, cfg):  # at max_iters, or past --patience
-        return self.it >= cfg.max_iters or 0 < cfg.patience <= self.since_best
-
-
+# the loop's Progress, by the names a checkpoint keeps (nanoGPT's iter_num, best_val_loss)
 KEYS = dict(it='iter_num', tokens='tokens', elapsed='elapsed', best_val='best_val_loss', since_best='evals_since_best')
 
 
@@ -81,7 +59,7 @@ def delete(paths):
 # What --resume takes from the run it continues, unless a flag given says otherwise.
 RESUMED = ('block_size vocab_size n_layer n_head n_embd bias dataset batch_size gradient_accumulation_steps max_iters '
            'learning_rate min_lr warmup_iters weight_decay beta1 beta2 grad_clip mode dtype ane_dtype ane_fraction '
-           'ane_batch_size ane_programs eval_interval eval_iters eval_seconds log_interval patience seed preset').split()
+           'ane_batch_size ane_programs eval_interval eval_iters log_interval patience seed preset').split()
 MODEL = ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'bias')
 
 
@@ -109,9 +87,11 @@ def restore(cfg, given, path, rank=0, log=print):
     changed = [f"--{k} {getattr(cfg, k)} (was {saved[k]})" for k in RESUMED
                if k in given and k in saved and getattr(cfg, k) != saved[k]]
     restored = {k for k in RESUMED if k in saved and k not in given}
+    kept = [f"{k}={saved[k]}" for k in RESUMED if k in restored and getattr(cfg, k) != saved[k]]
     cfg = dataclasses.replace(cfg, **{k: saved[k] for k in restored})
     if rank == 0:
         log(f"--resume: continuing the run in {cfg.out_dir} with its own settings"
+            + (f" ({' '.join(kept)} unlike the defaults)" if kept else '')
             + (f"; given here instead: {', '.join(changed)}" if changed else ''))
     return cfg, restored
 
@@ -235,11 +215,15 @@ def truncate_metrics(path, step):
         os.replace(path + '.tmp', path)
 
 
-def resume(cfg, given, path, model, optimizer, split, engines, rank):
-    """The Progress to start from: a new run's, or with --resume the checkpoint's (its weights,
-    optimizer state, split and loss scales loaded). Rank 0
+def resume(cfg, given, model, optimizer, split, engines, rank):
+    """The loop's counters to start from, by KEYS' names: none for a new run (an earlier one's
+    files deleted under --overwrite), or with --resume the checkpoint's (its weights, optimizer
+    state, split and loss scales loaded). Rank 0
     alone reads the checkpoint (the others may be on machines without it) and under torchrun
     every rank starts from its state: the checkpoint, or rank 0's fresh weights."""
+    path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    if rank == 0:
+        delete(check_out_dir(cfg))  # --overwrite: the earlier run's files
     ck = load_checkpoint(path, 'cpu') if cfg.resume and rank == 0 else None
     if distributed.world()[1] > 1:
         ck = distributed.from_rank0(ck or dict(model={k: v.cpu() for k, v in model.state_dict().items()}))
@@ -254,7 +238,7 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
         raise UserError(f"{path} does not fit this run ({' '.join(str(e).split())[:300]}): give the "
                         "flags of its model, or a new --out_dir") from None
     if not cfg.resume:
-        return Progress()
+        return {}
     if 'ane_fraction' in given and cfg.mode == 'hetero':
         print(f"--ane_fraction {cfg.ane_fraction} given: it replaces the checkpoint's split of the microbatches")
     else:
@@ -268,7 +252,7 @@ def resume(cfg, given, path, model, optimizer, split, engines, rank):
     if rank == 0:
         truncate_metrics(os.path.join(cfg.out_dir, 'metrics.jsonl'), ck['iter_num'])
     print(f"resumed from the checkpoint of step {ck['iter_num']}")
-    return Progress(**{name: ck[key] for name, key in KEYS.items() if key in ck})  # (older ones lack some)
+    return {name: ck[key] for name, key in KEYS.items() if key in ck}  # (older ones lack some)
 
 
 def diverged(cfg, it, bad, loss, engines, path):

@@ -69,6 +69,20 @@ def all_reduce_sum(tensors):
     return [b.view_as(t) for b, t in zip(buf.to(flat.device).split([t.numel() for t in tensors]), tensors)]
 
 
+def sum_over_ranks(grads, n, loss, params):
+    """A step's summed gradients ({name: tensor or None}), microbatch count and loss, each
+    added over the ranks; as they are without torchrun. A rank with no usable share adds 0."""
+    if world()[1] == 1:
+        return grads, n, loss
+    grads = {k: torch.zeros_like(p) if grads[k] is None else grads[k] for k, p in params.items()}
+    device = next(iter(grads.values())).device
+    count = torch.tensor([float(n)], device=device)
+    loss = torch.as_tensor(loss, dtype=torch.float32, device=device).reshape(1)
+    summed = all_reduce_sum(list(grads.values()) + [count, loss])
+    grads = dict(zip(grads, summed))  # (zip stops at the gradients)
+    return grads, round(summed[-2].item()), summed[-1][0]
+
+
 def from_rank0(obj):
     """Rank 0's obj on every rank (a checkpoint, or fresh weights): all start from one state."""
     if world()[1] > 1:

@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+from tqdm import tqdm
+
 from .distributed import gather, world
 from .memory import measured
 
@@ -27,6 +29,9 @@ def clock(seconds):
     return f"{s // 60}m {s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+LIVE = set()  # the Tickers running now
+
+
 class Ticker:
     """A thread that shows `what` and the time since it began: redrawn each second on one line
     of a terminal, else a line every `every` seconds. `what` may change (ticker.what = ...)."""
@@ -36,7 +41,13 @@ class Ticker:
         self.tty = self.stream.isatty() if hasattr(self.stream, 'isatty') else False
         self.t0, self.done, self.thread = time.monotonic(), threading.Event(), None
 
+    def clear(self):
+        """Clears the timer's line, so that a message printed now starts a line of its own."""
+        if self.tty:
+            self._write("\r\x1b[K")
+
     def __enter__(self):
+        LIVE.add(self)
         if not os.environ.get(QUIET_ENV):
             self.thread = threading.Thread(target=self._run, daemon=True, name='ticker')
             self.thread.start()
@@ -60,6 +71,7 @@ class Ticker:
             self.done.set()
 
     def __exit__(self, *exc):
+        LIVE.discard(self)
         self.done.set()
         if self.thread:
             self.thread.join()
@@ -72,50 +84,103 @@ class Ticker:
         return time.monotonic() - self.t0
 
 
-class Eta:
-    """The run's projected time to max_iters, said once after the first steps: tokens/s from
-    the steps after the first (which compiles and warms up), per engine too. log: where it is
-    said (None: not on this rank)."""
+class Display:
+    """What a person sees of the loop: a progress bar (or a line per logged row), a live timer
+    while the first step compiles and warms up, and one projected time to the end. The
+    projection counts wall time, evaluations and checkpoints included, from the steps after
+    the first; it is said once, as a line, and shown on the bar."""
 
-    def __init__(self, start, total, tok_per_step, tok_per_microbatch, log=None, after=3):
-        self.start, self.total, self.tok, self.after = start, total, tok_per_step, after
-        self.tok_mb, self.log, self.t1, self.said = tok_per_microbatch, log, None, False
+    def __init__(self, cfg, prog, rank=0, log=print, after=3):
+        self.total = cfg.max_iters
+        self.start = prog.it
+        self.rank = rank
+        self.log = log if rank == 0 else None
+        self.after = after  # steps timed before a projection
+        self.tok_mb = cfg.batch_size * cfg.block_size
+        self.t1 = None  # wall time at the end of the first step
+        self.said = False
+        disable = no_bar(cfg.quiet) or rank != 0
+        fmt = '{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]'
+        self.bar = tqdm(total=self.total, initial=prog.it, disable=disable, dynamic_ncols=True,
+                        desc='train', bar_format=fmt)
+        self.ticker = None
+        if prog.it < self.total and rank == 0:
+            self.ticker = Ticker("train: the first step (compiling, warming up)").__enter__()
 
-    def line(self, it, elapsed, engines=None):
-        """The projection at step `it` (training seconds `elapsed`), once; else None.
-        engines: {name: tokens/s} of the last step."""
-        if it == self.start + 1:
-            self.t1 = elapsed
-        if self.said or it >= self.total or self.t1 is None or it < self.start + 1 + self.after:
+    def stepped(self, prog, row, result):
+        """After each step: the bar moved, the row shown, the projection once it is known."""
+        if self.ticker:
+            self.ticker.__exit__(None, None, None)
+            self.ticker = None
+        now = time.monotonic()
+        if self.t1 is None:
+            self.t1 = now
+        left = self.left(prog.it, now)
+        postfix = {k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
+                   if k in SHOWN}
+        if left is not None:
+            postfix['eta'] = clock(left)
+        if postfix:
+            self.bar.set_postfix({SHOWN.get(k, k): v for k, v in postfix.items()}, refresh=False)
+        if row and self.bar.disable and self.rank == 0:
+            print(log_line(row, self.total), flush=True)
+        if left is not None and not self.said and self.log:
+            self.said = True
+            self.log(self.projection(prog.it, now, left, result))
+        self.bar.update(1)
+
+    def left(self, it, now):
+        """Seconds to max_iters at the pace of the steps after the first, or None yet."""
+        done = it - self.start - 1
+        if done < self.after or it >= self.total:
             return None
-        self.said = True
-        rate = (it - self.start - 1) * self.tok / max(elapsed - self.t1, 1e-9)
-        left = (self.total - it) * self.tok / rate
-        per = ', '.join(f"{n} {v:,.0f}" for n, v in (engines or {}).items())
+        return (self.total - it) * (now - self.t1) / done
+
+    def projection(self, it, now, left, result):
+        done = it - self.start - 1
+        rate = done * self.tok_mb * result_microbatches(result) / (now - self.t1)
+        per = ', '.join(f"{n} {v:,.0f}" for n, (v, _) in shares(result.shares, self.tok_mb).items())
         end = time.strftime('%H:%M', time.localtime(time.time() + left))
-        return (f"projected: {rate:,.0f} tokens/s" + (f" (alone in its share: {per})" if per else '')
-                + f"; the {self.total - it:,} steps left to --max_iters {self.total} take {clock(left)} "
+        alone = f" (alone in its share: {per})" if per else ''
+        return (f"projected: {rate:,.0f} tokens/s{alone}; the {self.total - it:,} steps left to "
+                f"--max_iters {self.total} take {clock(left)} with evaluations and checkpoints "
                 f"(until about {end}); --patience may stop it sooner")
 
-    def say(self, it, elapsed, results):
-        """line(), from a step's results ({engine: Share}), to log."""
-        text = self.line(it, elapsed, {n: rate for n, (rate, _) in shares(results, self.tok_mb).items()})
-        if text and self.log:
-            self.log(text)
+    def close(self):
+        if self.ticker:
+            self.ticker.__exit__(None, None, None)
+            self.ticker = None
+        self.bar.close()
+
+
+# the row's values the bar shows, by short names, so it fits 80 columns
+SHOWN = dict(loss='loss', val_loss='val', tokens_per_s='tok/s', ane_microbatches='ane',
+             joules_per_token='J/tok')
+
+
+def result_microbatches(result):
+    """Microbatches a step ran on this rank, every engine's."""
+    return sum(share.n for share in result.shares.values())
 
 
 def shares(results, tok_per_microbatch):
     """Each engine's tokens/s and mean loss over its share of a step: {engine: (rate, loss)}.
-    The one reader of a step's results."""
-    return {n: (r.n * tok_per_microbatch / r.seconds, r.loss / r.n) for n, r in results.items() if r.seconds}
+    The one reader of a step's shares."""
+    return {n: (r.n * tok_per_microbatch / r.seconds, float(r.loss) / r.n)
+            for n, r in results.items() if r.seconds}
 
 
 class Metrics:
     """metrics.jsonl, a row per logged step (rank 0's file; the other ranks' rows go nowhere).
     Rates are over training time since the row before: evaluations and checkpoints excluded."""
 
-    def __init__(self, path, cfg, device, engines, step, meter, prog):
-        self.cfg, self.device, self.engines, self.step, self.meter = cfg, device, engines, step, meter
+    def __init__(self, cfg, rank, engines, step, meter, prog):
+        self.cfg = cfg
+        self.device = step.device
+        self.engines = engines
+        self.step = step
+        self.meter = meter
+        path = os.path.join(cfg.out_dir, 'metrics.jsonl') if rank == 0 else os.devnull
         self.file = open(path, 'a')
         self.last = prog.elapsed, prog.tokens, meter.joules()  # the last row's clock, tokens and joules
 
@@ -123,12 +188,12 @@ class Metrics:
         """A logged step's row: the step's values, and this rank's own; under torchrun, every
         rank's own, gathered (a collective: every rank calls this at every logged step)."""
         (t, tokens, joules), cfg, step = self.last, self.cfg, self.step
-        row = dict(step=prog.it, loss=out['loss'], lr=lr, tokens=prog.tokens,
+        row = dict(step=prog.it, loss=out.loss, lr=lr, tokens=prog.tokens,
                    tokens_per_s=(prog.tokens - tokens) / (prog.elapsed - t), elapsed=prog.elapsed, mode=cfg.mode,
-                   grad_norm=out['grad_norm'], memory=measured(self.device, self.engines.get('ane')))
-        own = dict(ane_microbatches=out['ane_share'], microbatches=step.split.microbatches, dropped=dict(step.dropped),
+                   grad_norm=out.grad_norm, memory=measured(self.device, self.engines.get('ane')))
+        own = dict(ane_microbatches=out.ane_share, microbatches=step.split.microbatches, dropped=dict(step.dropped),
                    skipped=step.skipped)
-        for n, (rate, loss) in shares(out['results'], cfg.batch_size * cfg.block_size).items():
+        for n, (rate, loss) in shares(out.shares, cfg.batch_size * cfg.block_size).items():
             own |= {f'{n}_tokens_per_s': rate, f'{n}_loss': loss}  # each engine's own mean loss: a check on the other
         if 'ane' in self.engines:
             own['loss_scale'] = self.engines['ane'].scaler.scale
@@ -137,10 +202,6 @@ class Metrics:
         self.last = prog.elapsed, prog.tokens, joules
         return row | (own if world()[1] == 1 else dict(ranks=gather(own)))
 
-    def with_val(self, row, prog, val, at=None):
-        """row, or a row of its own, with an evaluation's loss; at: the --eval_seconds mark due."""
-        return ((row or dict(step=prog.it, tokens=prog.tokens, elapsed=prog.elapsed))
-                | (dict(eval_at_seconds=at) if at else {}) | dict(val_loss=val, val_ppl=math.exp(min(val, 50))))
 
     def write(self, row):  # a row, if any, flushed: a resumed run reads it
         if row:
@@ -151,21 +212,24 @@ class Metrics:
         self.file.close()
 
 
-class Every:
-    """--eval_seconds: due(elapsed) gives the first multiple of `seconds` that training time
-    passed since the last call, else None (always None for seconds 0). Counted from 0, so a
-    resumed run is due where the run straight through was."""
+def with_val(row, prog, val):
+    """row, or a row of its own, with an evaluation's loss and perplexity."""
+    row = row or dict(step=prog.it, tokens=prog.tokens, elapsed=prog.elapsed)
+    return row | dict(val_loss=val, val_ppl=math.exp(min(val, 50)))
 
-    def __init__(self, seconds, elapsed):
-        self.seconds, self.next = seconds, (elapsed // seconds + 1) * seconds if seconds > 0 else 0.0
 
-    def due(self, elapsed):
-        if not (self.seconds > 0 and elapsed >= self.next):
-            return None
-        at = self.next
-        while self.next <= elapsed:
-            self.next += self.seconds
-        return at
+def logger(rank):
+    """Where the loop's messages go: above the bar on rank 0; stderr, named, on the others."""
+    if rank == 0:
+        return say
+    return lambda s: print(f"rank {rank}: {s}", file=sys.stderr)
+
+
+def say(text):
+    """A line above the bar, after a live timer's line is cleared (never glued to it)."""
+    for ticker in list(LIVE):
+        ticker.clear()
+    tqdm.write(text)
 
 
 def no_bar(quiet):
@@ -173,24 +237,13 @@ def no_bar(quiet):
     return quiet or not sys.stdout.isatty()
 
 
-def first_step(first):
-    return Ticker("train: the first step (compiling, warming up)") if first else contextlib.nullcontext()
-
-
-def show(bar, row, total, rank=0):
-    """A logged row on the progress bar, or as a line of text where there is none (no row: nothing)."""
-    if not row:
-        return
-    bar.set_postfix({k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
-                     if k in ('loss', 'val_loss', 'tokens_per_s', 'ane_microbatches', 'joules_per_token')})
-    if bar.disable and rank == 0:
-        print(log_line(row, total), flush=True)
-
-
 def header(model, mode, engines, meter):
-    """The run's first line: its size, mode, engines and energy meter."""
-    return (f"GPT-2 {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | mode {mode} | "
-            + ' | '.join(f"{n}: {e.label}" for n, e in engines.items()) + f" | {meter_text(meter)}")
+    """The run's first lines: its size and mode, each engine, the energy meter."""
+    size = sum(p.numel() for p in model.parameters()) / 1e6
+    lines = [f"GPT-2 {size:.2f}M parameters, mode {mode}"]
+    lines += [f"  {n}: {e.label}" for n, e in engines.items()]
+    lines.append(f"  {meter_text(meter)}")
+    return '\n'.join(lines)
 
 
 def meter_text(meter):
@@ -223,17 +276,14 @@ ON_INTERRUPT = []  # what frees a process or memory at Ctrl-C (the ANE workers)
 _stopped = []
 
 
-def stop_run(save, where, in_step, result):
-    """Training's Ctrl-C: a second one ignored while `save()` keeps the run, one line; then,
-    mid-step (an engine's thread computing), exit 130 at once; else `result`, and main exits."""
+def stop_run(save, where):
+    """Training's Ctrl-C: `save()` keeps the run while a second Ctrl-C is ignored; one line.
+    ctrl_c_exits then exits 130, at once if an engine's thread still computes."""
     text = f"interrupted: {where}; continue with --resume"
     with hold_ctrl_c():
         save()
-        if in_step:
-            interrupted(text)
     print(f"\n{text}", flush=True)
     _stopped.append(text)
-    return result
 
 
 @contextlib.contextmanager
@@ -250,6 +300,7 @@ def ctrl_c_exits():
         with hold_ctrl_c():
             for stop in ON_INTERRUPT:
                 stop()
+            exit_now_if_busy(exit_code())
         sys.exit(exit_code())
 
 
@@ -297,9 +348,26 @@ def interrupted(what="interrupted"):
     print(f"\n{what}", file=sys.stderr, flush=True)
     for stop in ON_INTERRUPT:
         stop()
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
-        os._exit(exit_code())  # (concurrent.futures would join an engine's thread mid-step)
+    exit_now_if_busy(exit_code())
     sys.exit(exit_code())
+
+
+def exit_now_if_busy(code, wait=1.0):
+    """Exits at once (os._exit) if a thread still computes a second from now: at exit,
+    Python joins every thread, and an engine's may take minutes to finish its share."""
+    deadline = time.monotonic() + wait
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join(max(0.0, deadline - time.monotonic()))
+    busy = [t for t in threading.enumerate() if t.is_alive() and not t.daemon
+            and t is not threading.main_thread()]
+    if busy:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (ValueError, OSError):
+                pass
+        os._exit(code)
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ def one_line(e):
 LIMITS = (('> 0', lambda v: 0 < v < math.inf, 'batch_size gradient_accumulation_steps eval_interval log_interval '
                                               'scale_window loss_scale ane_loss_scale dist_timeout ane_load_timeout'),
           ('>= 0', lambda v: 0 <= v < math.inf, 'max_iters warmup_iters eval_iters sample_tokens seed max_bad_steps '
-                                                'learning_rate min_lr weight_decay grad_clip eval_seconds ane_batch_size'),
+                                                'learning_rate min_lr weight_decay grad_clip ane_batch_size'),
           ('in [0, 1)', lambda v: 0 <= v < 1, 'beta1 beta2'))
 
 

@@ -31,10 +31,19 @@ def resolve(cfg, given, cpu_defaults, mac_defaults, mac_gpt2, log=print):
     cfg, restored = checkpoints.restore(cfg, given, ckpt_path, rank, log)
     # rank 0 downloads the pretrained model, then the others read it
     cfg, fixed = distributed.rank0_first(lambda: pretrained.configure(cfg, given | restored))
-    cpu, mac = defaults_here(cfg, cpu_defaults, mac_defaults, mac_gpt2)
-    cfg, run = settings.check(cfg, given, cpu, mac, log, kept=restored | fixed)
+    cfg, run = machine_settings(cfg, given, cpu_defaults, mac_defaults, mac_gpt2, log,
+                                restored | fixed)
     checkpoints.check_out_dir(cfg)
+    return cfg, run, rank
+
+
+def machine_settings(cfg, given, cpu_defaults, mac_defaults, mac_gpt2, log=print,
+                     kept=frozenset()):
+    """(cfg, Run): the settings checked, this machine's defaults for the flags not given
+    (nor kept), 'auto' resolved here (settings.check)."""
+    cpu, mac = defaults_here(cfg, cpu_defaults, mac_defaults, mac_gpt2)
+    cfg, run = settings.check(cfg, given, cpu, mac, log, kept)
     if run.device.type == 'cuda':  # fp32 matmuls on tensor cores (TF32), as nanoGPT
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return cfg, run, rank
+    return cfg, run

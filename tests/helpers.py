@@ -148,14 +148,22 @@ def lone_gpu_skips_a_nonfinite_update(step_cls, make_optimizer, fused, read_befo
     step = step_cls(model, eng, hg.Split(2, 0), optimizer=opt)
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     out = step(microbatches(2))
-    assert out['used'] == ([] if read_before else ['gpu']) and out['results']['gpu'].finite != read_before
-    step.update(out)
-    assert out['n'] == 0 and out['used'] == [] and math.isnan(out['loss']) and not out['results']['gpu'].finite
+    assert out.used == ([] if read_before else ['gpu'])
+    out = step.update(out)
+    assert out.n == 0 and out.used == [] and math.isnan(out.loss)
     assert step.skipped == 1 and step.dropped['gpu'] == 1 and eng['gpu'].scaler.scale == 512.0
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
     assert all(int(s['step']) == 0 for s in opt.state.values())  # (a fused step skipped on the device: taken back)
     assert not hasattr(opt, 'found_inf')  # that step's only: a later opt.step() would skip by it
     value['v'] = 1.0
     out = step.update(step(microbatches(2)))
-    assert out['n'] == 2 and out['loss'] == 2.0 and step.skipped == 1 and out['results']['gpu'].seconds > 0
+    assert out.n == 2 and out.loss == 2.0 and step.skipped == 1 and out.shares['gpu'].seconds > 0
     assert not any(torch.equal(p, before[k]) for k, p in model.named_parameters())
+
+
+def open_programs(path, predict=None, scaler=None):
+    """A CoreMLEngine on the programs in path (Core ML on a Mac, the NumPy evaluator elsewhere),
+    or on another predict(piece, inputs) -> outputs."""
+    engine = hg.coreml_engine(path, scaler)
+    engine.predict = predict or engine.predict
+    return engine

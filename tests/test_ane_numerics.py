@@ -119,9 +119,9 @@ def test_head_program_at_the_real_vocabulary(gpt2_programs):
     dwte.index_add_(0, targets, torch.tensor(out['d_wte_tgt'], dtype=torch.float64))
     cos = {'wte': cosine(dwte, g['wte'])} | {k: cosine(torch.tensor(out['d_' + k].astype(np.float32)), g[k])
                                              for k in ('x', 'lnf_w', 'lnf_b')}
-    print(f"head at 1x1024, vocabulary {cfg.vocab_size}: loss {out['loss'].item():.4f} vs {loss.item():.4f}; "
+    print(f"head at 1x1024, vocabulary {cfg.vocab_size}: loss {out.loss.item():.4f} vs {loss.item():.4f}; "
           f"worst cosine {min(cos.values()):.6f} ({min(cos, key=cos.get)})")
-    assert abs(out['loss'].item() - loss.item()) <= 2 * 2.0 ** -7
+    assert abs(out.loss.item() - loss.item()) <= 2 * 2.0 ** -7
     assert all(c >= 0.999 for c in cos.values()), cos
 
 
@@ -201,14 +201,14 @@ def test_injected_overflow_is_caught_and_never_applied(exported):
         evaluate = programs.numpy_programs(path, hg.ANE_PIECES, ane=ane)
         return lambda piece, inputs: seen['ane' if ane else 'ieee'].append(evaluate(piece, inputs)) or seen['ane' if ane else 'ieee'][-1]
     engines = {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32),
-               'ane': export_ane.open_programs(path, predict=recording(True),
+               'ane': helpers.open_programs(path, predict=recording(True),
                                                scaler=hg.LossScaler(256.0, 200, limit=programs.ANE_OVERFLOW / 2))}
     step = hg.HeteroStep(model, engines, hg.Split(2, 0.5), optimizer=torch.optim.AdamW(model.parameters()))
     microbatches = [tuple(torch.randint(0, cfg.vocab_size, (2, 8)) for _ in range(2)) for _ in range(2)]
     alone = copy.deepcopy(model)  # the GPU engine's gradient on its microbatch (the second), alone
     alone(*microbatches[1])[1].backward()
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    ieee = export_ane.open_programs(path, predict=recording(False), scaler=hg.LossScaler(256.0, 200))
+    ieee = helpers.open_programs(path, predict=recording(False), scaler=hg.LossScaler(256.0, 200))
     ieee.load_weights(dict(model.named_parameters()))
     out = step(microbatches)
     outputs = [v for o in seen['ane'] for v in o.values()]
@@ -217,7 +217,7 @@ def test_injected_overflow_is_caught_and_never_applied(exported):
     with np.errstate(all='ignore'):
         ieee.loss_and_grads(*microbatches[0])
     assert not all(np.isfinite(v).all() for o in seen['ieee'] for v in o.values())  # what IEEE fp16 would show
-    assert out['used'] == ['gpu'] and step.dropped['ane'] == 1 and engines['ane'].scaler.scale == 128.0
+    assert out.used == ['gpu'] and step.dropped['ane'] == 1 and engines['ane'].scaler.scale == 128.0
     for (k, p), q in zip(model.named_parameters(), alone.parameters()):
         assert torch.equal(p.grad, q.grad), k
     step.update(out)

@@ -43,7 +43,7 @@ def error(capsys):
 
 BAD_FLAGS = [('--learning_rate', '-1'), ('--min_lr', '-0.5'), ('--beta1', '1'), ('--beta2', '-0.1'),
              ('--weight_decay', '-0.1'), ('--grad_clip', '-1'), ('--eval_interval', '0'), ('--log_interval', '0'),
-             ('--max_iters', '-1'), ('--eval_iters', '-3'), ('--eval_seconds', '-1'), ('--warmup_iters', '-1'),
+             ('--max_iters', '-1'), ('--eval_iters', '-3'), ('--warmup_iters', '-1'),
              ('--loss_scale', '0'), ('--scale_window', '0'), ('--sample_tokens', '-1'), ('--max_bad_steps', '-1'),
              ('--seed', '-1'), ('--learning_rate', 'nan'), ('--batch_size', '0'), ('--dtype', 'half'),
              ('--ane_dtype', 'float17'), ('--mode', 'tpu'), ('--device', 'tpu'), ('--ane_fraction', '2')]
@@ -137,7 +137,7 @@ def test_help_says_what_replaces_the_defaults_without_a_gpu(capsys, monkeypatch,
     if cuda:
         assert 'no GPU' not in text and 'default here' not in text and '(default: 12)' in text, text
     else:
-        assert "GPT-2 124M's" in text and 'no GPU' in text and '(default here, no GPU: 4; with a CUDA GPU' in text
+        assert "GPT-2 124M's" in text and 'no GPU' in text and '(default here, no GPU: 4; with --preset gpt2: 12; with a CUDA GPU: 12)' in text
 
 
 @pytest.mark.parametrize('damage', ['meta.json not JSON', 'token id past the vocabulary', 'short train.bin'])
@@ -261,18 +261,25 @@ def test_a_bad_batch_is_an_input_error_not_an_engine_fault():
     for bad in ((torch.full((1, 8), 16), good[1]), (good[0], torch.full((1, 8), -1)), (good[0], good[1][:, :4]),
                 (torch.full((1, 8), float('nan')), good[1])):  # (NaN passes any comparison of bounds)
         with pytest.raises(hg.UserError, match='no valid input'):
-            step([good, bad])
+            hg.check_microbatches(cfg, [good, bad])  # where step_batches makes them
         assert step.alive == {'gpu', 'ane'} and step.dropped == {'gpu': 0, 'ane': 0}
-    assert step([good, good])['used'] == ['ane', 'gpu']
+    assert step([good, good]).used == ['ane', 'gpu']
 
 
 def test_a_bad_batch_in_training_stops_with_the_checkpoint_kept(data_dir, run_dir, capsys, monkeypatch):
-    real = hg.step_batches
+    # from step 12 on, the batches made hold token ids below 0
+    real_batches, real_batch = hg.step_batches, hg.get_batch
+    bad = {'now': False}
 
     def batches(cfg, data, it):
-        mbs = real(cfg, data, it)
-        return mbs if it < 12 else [(x.clamp_max(0) - 1, y) for x, y in mbs]
+        bad['now'] = it >= 12
+        return real_batches(cfg, data, it)
+
+    def batch(*a):
+        x, y = real_batch(*a)
+        return (x.clamp_max(0) - 1, y) if bad['now'] else (x, y)
     monkeypatch.setattr(hg, 'step_batches', batches)
+    monkeypatch.setattr(hg, 'get_batch', batch)
     before = files(run_dir)
     assert main(data_dir, run_dir, '--max_iters', '20', '--resume', '--eval_interval', '100') == 2
     assert 'no valid input' in error(capsys)

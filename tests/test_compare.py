@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+import hetero_gpt as hg
 import helpers
 from conftest import CtrlC
 from tools import compare
@@ -222,3 +223,32 @@ def test_seed_lists():
     for bad in ('0-2', '1,1', 'a', '2-x', '', '5-3'):
         with pytest.raises(argparse.ArgumentTypeError):
             compare.seed_list(bad)
+
+
+def test_timed_evaluations(data_dir, tmp_path, ctrl_c, monkeypatch):
+    # tools.compare's --eval_seconds 1 (its hook): an evaluation each time the training time passes a multiple of 1 s.
+    # The trainer's clock is the test's: each step takes 0.25 s, so steps 4 and 8 evaluate
+    # (and only steps 5 and 10 are due by --eval_interval); a run stopped at step 6 and
+    # resumed evaluates at step 8 once more, as the run straight through does
+    clock = helpers.Clock()
+    real_step = hg.HeteroStep.__call__
+    real_mb = hg.AutogradEngine.loss_and_grads
+    monkeypatch.setattr(hg, 'time', clock)  # each thread's, moved only here: 0.25 s a step, however often it is read
+    monkeypatch.setattr(hg.HeteroStep, '__call__', lambda self, mbs: (real_step(self, mbs), clock.advance(0.25))[0])
+    monkeypatch.setattr(hg.AutogradEngine, 'loss_and_grads', lambda *a: (clock.advance(0.125), real_mb(*a))[1])
+    timed = dict(max_iters=10, log_interval=100)
+
+    def train(out_dir, **settings):
+        cfg, given = hg.parse_args(helpers.flags(data_dir, out_dir, **timed, **settings))
+        hg.train(cfg, given, on_step=compare.TimedEvals(1.0))
+        return helpers.rows(out_dir)
+    straight = train(tmp_path / 'a')
+    assert [(r['step'], r.get('eval_at_seconds')) for r in straight] == [(4, 1.0), (5, None), (8, 2.0), (10, None)]
+    assert all('val_loss' in r for r in straight) and [r['elapsed'] for r in straight] == [1.0, 1.25, 2.0, 2.5]
+    ctrl_c.at(6)
+    train(tmp_path / 'b')
+    ctrl_c.off()
+    resumed = train(tmp_path / 'b', resume=True)
+    assert [(r['step'], r.get('eval_at_seconds'), r['elapsed']) for r in resumed] == [
+        (r['step'], r.get('eval_at_seconds'), r['elapsed']) for r in straight]
+    assert [r['val_loss'] for r in resumed] == [r['val_loss'] for r in straight]

@@ -51,7 +51,7 @@ def test_saved_programs_match_autograd(request, kind):
     # as two calls, the mean of the two (their sum would be twice the norm).
     model, idx, targets, ref_loss = reference(b=2 * B)
     path = request.getfixturevalue('package')['pieces'] if kind == 'pieces' else request.getfixturevalue('whole_step')[0]
-    engine = export_ane.open_programs(path, scaler=hg.LossScaler(1024.0, 0))
+    engine = helpers.open_programs(path, scaler=hg.LossScaler(1024.0, 0))
     assert engine.pieces == ((kind,) if kind == 'step' else hg.ANE_PIECES)
     engine.load_weights(dict(model.named_parameters()))
     loss, grads = engine.loss_and_grads(idx, targets)
@@ -163,7 +163,7 @@ def test_programs_past_the_ane_memory_are_refused(tmp_path, monkeypatch, capsys)
 
 
 def test_programs_for_other_shapes_are_refused(package):
-    engine = export_ane.open_programs(package['pieces'], predict=lambda piece, inputs: pytest.fail('must not run'))
+    engine = helpers.open_programs(package['pieces'], predict=lambda piece, inputs: pytest.fail('must not run'))
     engine.load_weights(dict(reference()[0].named_parameters()))
     for b, t in ((4, 7), (3, 8)):  # 4 is no multiple of the programs' 3 sequences; 8 tokens are not 7
         with pytest.raises(hg.UserError, match=f'cannot run a microbatch of {b}x{t}'):
@@ -171,7 +171,7 @@ def test_programs_for_other_shapes_are_refused(package):
 
 
 def test_weights_of_another_model_are_refused(package):
-    engine = export_ane.open_programs(package['pieces'], predict=lambda piece, inputs: pytest.fail('must not run'))
+    engine = helpers.open_programs(package['pieces'], predict=lambda piece, inputs: pytest.fail('must not run'))
     other = hg.GPT(hg.GPTConfig(block_size=16, vocab_size=20000, n_layer=2, n_head=4, n_embd=64))
     with pytest.raises(hg.UserError, match='export_ane.py'):
         engine.load_weights(dict(other.named_parameters()))
@@ -179,19 +179,19 @@ def test_weights_of_another_model_are_refused(package):
 
 def test_not_a_folder_of_programs(tmp_path, package):
     with pytest.raises(hg.UserError, match='no ANE programs'):
-        export_ane.open_programs(str(tmp_path / 'missing'))
+        helpers.open_programs(str(tmp_path / 'missing'))
     (tmp_path / 'junk').mkdir()
     with pytest.raises(hg.UserError, match='not a folder of HeteroEngine programs'):
-        export_ane.open_programs(str(tmp_path / 'junk'))
+        helpers.open_programs(str(tmp_path / 'junk'))
     half = tmp_path / 'half'
     shutil.copytree(package['pieces'], half)
     shutil.rmtree(half / 'head.mlpackage')
     with pytest.raises(hg.UserError, match='lacks head'):
-        export_ane.open_programs(str(half))
+        helpers.open_programs(str(half))
     meta = json.loads((half / coreml_programs.META).read_text())
     (half / coreml_programs.META).write_text(json.dumps(meta | {'format': 1}))
     with pytest.raises(hg.UserError, match='another version'):
-        export_ane.open_programs(str(half))
+        helpers.open_programs(str(half))
     with pytest.raises(hg.UserError, match='refusing to overwrite'):  # export never writes over what it did not make
         export_ane.export_programs(CFG, B, T, str(tmp_path / 'junk'))
 
@@ -206,7 +206,7 @@ def test_custom_predict_and_input_lifetime(package):
     def predict(piece, inputs):
         seen.append((piece, inputs))
         return evaluate(piece, inputs)
-    engine = export_ane.open_programs(package['pieces'], predict=predict)
+    engine = helpers.open_programs(package['pieces'], predict=predict)
     model, idx, targets, ref_loss = reference(1)
     engine.load_weights(dict(model.named_parameters()))
     engine.loss_and_grads(idx, targets)
@@ -235,14 +235,17 @@ def test_trainer_exports_once_and_reuses(tmp_path, monkeypatch):
     cpu = torch.device('cpu')
     run = lambda cfg: settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=False, ane_programs=True,
                                    ane_batch=settings.ane_batch(cfg))
-    ensure_programs = lambda cfg, log: hg.ane_spec(cfg, run(cfg), log=log).programs
+
+    def ensure_programs(cfg, log):
+        hg.export_programs(cfg, run(cfg), log)
+        return hg.ane_spec(cfg, run(cfg)).programs
     path = ensure_programs(cfg, log=said.append)
     assert path == str(tmp_path / 'ane_B3_T8')  # the largest divisor of 6 up to ANE_BATCH = 4
     spec = tmp_path / 'ane_B3_T8' / 'head.mlpackage' / 'Data' / 'com.apple.CoreML' / 'model.mlmodel'
     stamp = spec.stat().st_mtime_ns
     assert ensure_programs(cfg, log=said.append) == path and len(said) == 1
     assert spec.stat().st_mtime_ns == stamp
-    assert export_ane.open_programs(path).cfg.n_layer == 1
+    assert helpers.open_programs(path).cfg.n_layer == 1
     exports = []
     monkeypatch.setattr(coreml_programs, 'export_programs', lambda *a: exports.append(a))
     cfg.n_layer = 2  # same folder name, other model: exported again
@@ -277,7 +280,7 @@ def test_programs_without_biases(exported):
     model = hg.GPT(cfg).double()
     idx, targets = (torch.randint(0, cfg.vocab_size, (2, 5)) for _ in range(2))
     loss, ref = helpers.autograd_fp64(model, idx, targets)
-    engine = export_ane.open_programs(path, scaler=hg.LossScaler(1024.0, 0))
+    engine = helpers.open_programs(path, scaler=hg.LossScaler(1024.0, 0))
     engine.load_weights(dict(model.named_parameters()))
     l, grads = engine.loss_and_grads(idx, targets)
     assert abs(l.item() - loss) / loss < 1e-2

@@ -150,13 +150,13 @@ def cross_rank_worker(rank, init):
         eng = {'gpu': FakeEngine('gpu', 0, value_grads(model)), 'ane': FakeEngine('ane', 0, value_grads(model))}
         step = Step(model, eng, hg.Split(4, 0.5), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         out = step(mbs(case[rank]))
-        assert out['n'] == len(expect), (rank, case)  # the global count, on every rank
+        assert out.n == len(expect), (rank, case)  # the global count, on every rank
         if expect:
             # the same arithmetic in one process: one engine over the microbatches used anywhere
             one = Step(ref, {'gpu': FakeEngine('gpu', 0, value_grads(ref))}, hg.Split(len(expect), 0))
             with pytest.MonkeyPatch.context() as m:  # (in this process alone: no all-reduce)
                 m.setattr(dist, 'is_initialized', lambda: False)
-                assert one(mbs(expect))['loss'] == out['loss'] == 2.0
+                assert one(mbs(expect)).loss == out.loss == 2.0
             for g, r in zip(model.parameters(), ref.parameters()):
                 assert torch.equal(g.grad, r.grad)  # small integers: exact in fp32
                 assert torch.equal(g.grad, torch.full_like(g, sum(expect) / len(expect)))

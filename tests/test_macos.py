@@ -405,12 +405,12 @@ run = settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=
 spec = hg.ane_spec(hg.Config(**vars(cfg), batch_size=B, ane_programs='p'), run)
 os.environ['MACOS_DOUBLE_FAIL'] = 'load'
 try:
-    hg.ane_engine(spec)
+    hg.engine_from_spec(spec)
 except hg.UserError as e:
     say('load', str(e))
 os.environ['MACOS_DOUBLE_FAIL'] = 'sigkill'
 from plumbing import worker
-w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(256.0, 0), log=lambda s: None)
+w = worker.WorkerEngine(spec, hg.engine_from_spec, hg.LossScaler(256.0, 0), log=lambda s: None)
 w.load_weights(dict(hg.GPT(cfg).named_parameters()))
 try:
     w.loss_and_grads(*(torch.zeros(B, T, dtype=torch.long) for _ in range(2)))

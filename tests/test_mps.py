@@ -100,11 +100,11 @@ GPU_ENGINE = """
     data = np.random.default_rng(0).integers(0, 128, 5000).astype(np.uint16)
     mbs = hg.step_batches(cfg, data, 0)  # views of one (6, 33) batch, as the trainer makes them
     engine = hg.AutogradEngine(model, torch.device('mps'), torch.float32)
-    step = hg.HeteroStep(model, {'gpu': engine}, hg.Split(3, 0), optimizer=hg.make_optimizer(model, cfg, 'mps'))
+    step = hg.HeteroStep(model, {'gpu': engine}, hg.Split(3, 0), optimizer=hg.make_optimizer(model, cfg))
     out = step(mbs)  # the mean gradient into p.grad
     grads = {k: p.grad.cpu() for k, p in model.named_parameters()}
     step.update(out)  # fused AdamW on MPS
-    torch.save(dict(weights=weights, batches=mbs, grads=grads, loss=out['loss'],
+    torch.save(dict(weights=weights, batches=mbs, grads=grads, loss=out.loss,
                     fused=[g['fused'] for g in step.optimizer.param_groups],
                     updated={k: v.cpu() for k, v in model.state_dict().items()}), sys.argv[-1])
     print(json.dumps(dict(device=str(next(model.parameters()).device))))
@@ -122,7 +122,7 @@ def test_the_gpu_engine_on_mps_gets_the_batch_it_was_given(tmp_path):
     model = hg.GPT(hg.model_config(cfg))
     model.load_state_dict(got['weights'])
     step = hg.HeteroStep(model, {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32)}, hg.Split(3, 0),
-                         optimizer=hg.make_optimizer(model, cfg, 'cpu'))
+                         optimizer=hg.make_optimizer(model, cfg))
     ref = step([(x.contiguous(), y.contiguous()) for x, y in got['batches']])
     assert abs(got['loss'] - ref['loss']) <= 1e-6 * ref['loss']  # fp32: the mean of 3 losses of ~5
     assert gradcheck.check(got['grads'], {k: p.grad for k, p in model.named_parameters()}, torch.float32) == ''

@@ -76,7 +76,7 @@ def test_saturated_scores_show_only_in_the_peaks(exported):
     assert np.isfinite(out['y']).all() and np.abs(out['y']).max() < programs.ANE_OVERFLOW
     assert np.abs(out['peaks']).max() >= programs.ANE_OVERFLOW
     idx, targets = (torch.randint(0, cfg.vocab_size, (B, T)) for _ in range(2))
-    engine = export_ane.open_programs(path, predict=programs.numpy_programs(path, hg.ANE_PIECES, ane=True))
+    engine = helpers.open_programs(path, predict=programs.numpy_programs(path, hg.ANE_PIECES, ane=True))
     engine.load_weights(dict(model.named_parameters()))
     assert engine.loss_and_grads(idx, targets)[0].item() == float('inf')
 
@@ -92,7 +92,7 @@ def test_without_the_peaks_the_saturation_passes(exported, monkeypatch, tmp_path
     model = hg.GPT(cfg)
     with torch.no_grad():
         model.transformer.h[0].attn.c_attn.weight[:2 * cfg.n_embd].mul_(2000)
-    engine = export_ane.open_programs(path, predict=programs.numpy_programs(path, hg.ANE_PIECES, ane=True))
+    engine = helpers.open_programs(path, predict=programs.numpy_programs(path, hg.ANE_PIECES, ane=True))
     engine.load_weights(dict(model.named_parameters()))
     idx, targets = (torch.randint(0, cfg.vocab_size, (B, T)) for _ in range(2))
     loss, grads = engine.loss_and_grads(idx, targets)

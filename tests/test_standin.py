@@ -304,7 +304,7 @@ def test_engine_on_a_second_gpu_gives_the_one_gpu_step():
     one = hg.HeteroStep(b, {'gpu': hg.AutogradEngine(b, d0, torch.float32)}, hg.Split(4, 0))
     for step in range(2):  # the second step reuses the engine's buffers and graph
         out_h, out_1 = het(mbs), one(mbs)
-        assert out_h['used'] == ['ane', 'gpu'] and abs(out_h['loss'] - out_1['loss']) < 1e-5 * out_1['loss']
+        assert out_h.used == ['ane', 'gpu'] and abs(out_h.loss - out_1.loss) < 1e-5 * out_1.loss
         for (k, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
             assert pa.grad.device == d0 and close(pa.grad, pb.grad, 1e-4), (step, k)
         for m in (a, b):

@@ -123,8 +123,11 @@ def test_resume_takes_the_runs_own_settings(data_dir, tmp_path, capsys):
     cfg, given = hg.parse_args(bare + ['--max_iters', '6'])
     model = hg.train(cfg, given)
     said = capsys.readouterr().out
-    assert f"--resume: continuing the run in {tmp_path / 'r'} with its own settings; given here instead: " \
-           "--max_iters 6 (was 4)" in said
+    line = next(x for x in said.splitlines() if x.startswith('--resume: continuing'))
+    assert line.startswith(f"--resume: continuing the run in {tmp_path / 'r'} with its own settings (")
+    assert line.endswith("; given here instead: --max_iters 6 (was 4)")
+    assert 'n_layer=1 ' in line and 'mode=hetero' in line  # what it restored, named
+    assert 'not used' not in said  # no flag restored is called a flag given
     c, last = model.config, helpers.rows(tmp_path / 'r')[-1]
     assert (c.n_layer, c.n_embd, c.block_size, last['step'], last['mode']) == (1, 16, 16, 6, 'hetero')
     # its 2 microbatches of 2 sequences of 16 tokens a step, 1 of them the ANE's (--ane_fraction 0.5)
@@ -142,7 +145,7 @@ def test_help_names_this_machines_defaults(capsys):
     text = ' '.join(capsys.readouterr().out.split())
     here = 'here, no GPU' if not (torch.cuda.is_available() or torch.backends.mps.is_available()) else None
     if here:
-        assert f"transformer blocks (default {here}: {hg.CPU_DEFAULTS['n_layer']}; with a CUDA GPU or --preset gpt2: 12)" in text
+        assert f"transformer blocks (default {here}: {hg.CPU_DEFAULTS['n_layer']}; with --preset gpt2: 12; with a CUDA GPU: 12)" in text
 
 
 def test_bench_help_shows_its_own_flags_first(capsys):

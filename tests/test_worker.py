@@ -36,7 +36,7 @@ def batches(n, seed=0):
 def worker():
     made = []
 
-    def start(scaler=None, make=hg.ane_engine, **kw):
+    def start(scaler=None, make=hg.engine_from_spec, **kw):
         timeouts = {k: kw.pop(k) for k in ('timeout_factor', 'min_timeout') if k in kw}
         made.append(plumbing_worker.WorkerEngine(spec(**kw), make, scaler or hg.LossScaler(1.0, 0, enabled=False),
                                                  log=lambda s: None, load_timeout=120, **timeouts))
@@ -49,7 +49,7 @@ def worker():
 @pytest.fixture(scope='module')
 def healthy():
     """One worker of the eager derivation (fp32), for the tests that do not stop it."""
-    w = plumbing_worker.WorkerEngine(spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False), log=lambda s: None,
+    w = plumbing_worker.WorkerEngine(spec(), hg.engine_from_spec, hg.LossScaler(1.0, 0, enabled=False), log=lambda s: None,
                                      load_timeout=120)
     yield w
     w.close()
@@ -64,7 +64,7 @@ def test_worker_computes_what_the_engine_computes_here(healthy, monkeypatch):
     model = hg.GPT(CFG)
     params = dict(model.named_parameters())
     w = healthy
-    here = hg.ane_engine(spec())
+    here = hg.engine_from_spec(spec())
     (idx, targets), = batches(1)
     for e in (w, here):
         e.load_weights(params)
@@ -123,7 +123,7 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     step = hg.HeteroStep(model, engines, hg.Split(4, 0.5), log=said_log.append,
                          optimizer=torch.optim.AdamW(model.parameters()))
     mb = batches(2 * 4)
-    assert step(mb[:4])['used'] == ['ane', 'gpu']
+    assert step(mb[:4]).used == ['ane', 'gpu']
     proc = w.proc
     if fault == 'hang':
         w.min_timeout, w.factor = 2.0, 1.0
@@ -131,7 +131,7 @@ def test_a_faulty_worker_is_retired_and_no_step_is_lost(worker, fault, said):
     ref = hg.GPT(CFG)
     ref.load_state_dict(model.state_dict())
     out = step(mb[4:])
-    assert out['used'] == ['gpu'] and out['n'] == 4 and step.alive == {'gpu'}
+    assert out.used == ['gpu'] and out.n == 4 and step.alive == {'gpu'}
     assert len(said_log) == 1 and said in said_log[0] and 'export_ane.py --check' in said_log[0], said_log
     for idx, targets in mb[4:]:
         (ref(idx, targets)[1] / 4).backward()
@@ -154,7 +154,7 @@ def test_a_full_dev_shm_is_refused_before_the_worker_starts(monkeypatch):
     monkeypatch.setattr(plumbing_worker.os, 'statvfs', lambda path: Full())
     monkeypatch.setattr(plumbing_worker.shared_memory, 'SharedMemory', lambda **kw: pytest.fail('nothing allocated'))
     with pytest.raises(hg.UserError, match=r'could not allocate 0 MiB .*\(/dev/shm has 0 MiB free\).*--ane_worker false'):
-        plumbing_worker.WorkerEngine(spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
+        plumbing_worker.WorkerEngine(spec(), hg.engine_from_spec, hg.LossScaler(1.0, 0, enabled=False))
 
 
 def test_shared_memory_that_cannot_be_allocated(monkeypatch):
@@ -168,7 +168,7 @@ def test_shared_memory_that_cannot_be_allocated(monkeypatch):
     real = plumbing_worker.shared_memory.SharedMemory
     monkeypatch.setattr(plumbing_worker.shared_memory, 'SharedMemory', fake)
     with pytest.raises(hg.UserError, match='could not allocate .* MiB of shared memory .*No space left'):
-        plumbing_worker.WorkerEngine(spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
+        plumbing_worker.WorkerEngine(spec(), hg.engine_from_spec, hg.LossScaler(1.0, 0, enabled=False))
     for m in made:  # the blocks made before the failure are freed, none left behind
         assert not os.path.exists(f'/dev/shm/{m.name.lstrip("/")}')
 
@@ -185,11 +185,12 @@ def test_the_worker_runs_exported_programs(exported):
     cfg = hg.Config(**vars(gcfg), batch_size=4, ane_batch_size=2, ane_evaluator='numpy', ane_programs=path)
     cpu = torch.device('cpu')
     run = settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=True, ane_programs=True, ane_batch=2)
-    spec = hg.ane_spec(cfg, run, log=pytest.fail)  # found, not exported again
-    w = plumbing_worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(256.0, 0), log=lambda s: None,
+    hg.export_programs(cfg, run, log=pytest.fail)  # found, not exported again
+    spec = hg.ane_spec(cfg, run)
+    w = plumbing_worker.WorkerEngine(spec, hg.engine_from_spec, hg.LossScaler(256.0, 0), log=lambda s: None,
                                      load_timeout=120)
     try:
-        here = export_ane.open_programs(path, scaler=hg.LossScaler(256.0, 0))
+        here = helpers.open_programs(path, scaler=hg.LossScaler(256.0, 0))
         assert 'NumPy evaluator' in w.label and w.label.startswith(f'Core ML programs {path}')
         torch.manual_seed(0)
         model = hg.GPT(gcfg)
@@ -224,7 +225,7 @@ def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path, monkeypatch):
         assert isinstance(engines['ane'], plumbing_worker.WorkerEngine) and 'float16' in engines['ane'].label
         assert engines['ane'].scaler.scale == 256.0 and engines['ane'].proc.is_alive()
         out = step([tuple(torch.randint(0, 50, (8, 8)) for _ in range(2)) for _ in range(2)])
-        assert out['used'] == ['ane', 'gpu'] and out['results']['ane'].n == 1
+        assert out.used == ['ane', 'gpu'] and out.shares['ane'].n == 1
     finally:
         engines['ane'].close()
     assert engines['ane'].proc is None
@@ -249,7 +250,7 @@ def test_the_cores_are_shared_with_the_thread_that_feeds_the_gpu(gpu_on_cpu, mon
 KILLED = """
 import os, sys, time, hetero_gpt as hg, test_worker as t
 from plumbing import worker
-w = worker.WorkerEngine(t.spec(), hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False), log=lambda s: None)
+w = worker.WorkerEngine(t.spec(), hg.engine_from_spec, hg.LossScaler(1.0, 0, enabled=False), log=lambda s: None)
 print(w.proc.pid, *w.bufs.names.values(), flush=True)
 time.sleep(3600)
 """

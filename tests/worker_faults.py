@@ -9,7 +9,7 @@ import hetero_gpt as hg
 
 
 def _at_call(spec, fault_call, fault):
-    engine = hg.ane_engine(spec)
+    engine = hg.engine_from_spec(spec)
     inner, calls = engine.loss_and_grads, [0]
 
     def loss_and_grads(idx, targets):

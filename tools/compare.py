@@ -34,6 +34,7 @@ import sys
 import numpy as np
 
 import hetero_gpt as hg
+from plumbing import progress  # defines: with_val
 
 MODES = ('gpu', 'ane', 'hetero')
 OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume')  # this study sets or forbids these
@@ -182,7 +183,7 @@ def finished(rows, cfg):
     return bool(rows) and rows[-1]['step'] == cfg.max_iters and 'val_ppl' in rows[-1]
 
 
-def run_one(flags, mode, seed, out_dir, drop_checkpoint=False):
+def run_one(flags, mode, seed, out_dir, drop_checkpoint=False, eval_seconds=0.0):
     """Train one (mode, seed), or reuse/resume what its directory holds. Returns metrics rows."""
     run_dir = os.path.join(out_dir, f'{mode}_s{seed}')
     defaults = ['--quiet', '--sample_tokens', '0', '--ane_programs', os.path.join(out_dir, 'ane_programs')]
@@ -211,7 +212,7 @@ def run_one(flags, mode, seed, out_dir, drop_checkpoint=False):
             cfg.resume = True  # continue an interrupted run from its last checkpoint
         elif os.path.exists(metrics):
             os.remove(metrics)  # stopped before its first checkpoint: start over
-        hg.train(cfg, given)
+        hg.train(cfg, given, on_step=TimedEvals(eval_seconds) if eval_seconds > 0 else None)
         rows = read_metrics(metrics)
         if not finished(rows, cfg):
             raise hg.UserError(f"training in {run_dir} stopped at step {rows[-1]['step'] if rows else 0} of "
@@ -219,6 +220,29 @@ def run_one(flags, mode, seed, out_dir, drop_checkpoint=False):
     if drop_checkpoint and os.path.exists(ckpt):  # finished: its metrics are all the comparison reads
         os.remove(ckpt)
     return rows
+
+
+class TimedEvals:
+    """--eval_seconds, the trainer's on_step hook: an evaluation each time training time
+    passes a multiple of `seconds`, for curves against time. Marks count from 0, so a
+    resumed run is due where the run straight through was; each rank reads its own clock."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+        self.next = None  # the next mark, set at the first step
+
+    def __call__(self, prog, row, evaluate):
+        if self.next is None:
+            self.next = (prog.elapsed // self.seconds + 1) * self.seconds
+            return row
+        if prog.elapsed < self.next:
+            return row
+        at = self.next
+        while self.next <= prog.elapsed:
+            self.next += self.seconds
+        if 'val_loss' not in row:
+            row = progress.with_val(row, prog, evaluate())
+        return row | dict(eval_at_seconds=at)
 
 
 def curve(seed_rows, x):
@@ -286,6 +310,8 @@ def main(argv=None):
     parser.add_argument('--margin', type=float, default=0.01, help="equivalence margin on the perplexity ratio")
     parser.add_argument('--alpha', type=float, default=0.05, help="significance level")
     parser.add_argument('--out_dir', default='out/compare', help="runs, summary.json and compare.png")
+    parser.add_argument('--eval_seconds', type=float, default=0.0,
+                        help="also evaluate each time training time passes a multiple of this (0: off)")
     parser.add_argument('--drop_checkpoints', action='store_true',
                         help="delete a run's ckpt.pt once it has finished (GPT-2 124M: 1.5 GB a run)")
     args, flags = parser.parse_known_args(argv)
@@ -304,10 +330,12 @@ def compare(args, flags):
         raise hg.UserError(f"--seeds {args.seeds}: paired tests need at least 2 seeds (3 or more recommended)")
     if not (0 < args.margin < 1 and 0 < args.alpha < 0.5):
         raise hg.UserError("--margin must be in (0, 1) and --alpha in (0, 0.5)")
+    if not (math.isfinite(args.eval_seconds) and args.eval_seconds >= 0):
+        raise hg.UserError(f"--eval_seconds {args.eval_seconds}: must be a finite number >= 0")
     hg.parse_args(flags)  # unknown or malformed flags fail here, before any training
     seeds = args.seeds
     # seed by seed, so an interrupted comparison has whole seeds (every mode) done
-    done = {(m, s): run_one(flags, m, s, args.out_dir, args.drop_checkpoints) for s in seeds for m in MODES}
+    done = {(m, s): run_one(flags, m, s, args.out_dir, args.drop_checkpoints, args.eval_seconds) for s in seeds for m in MODES}
     runs = {m: [done[m, s] for s in seeds] for m in MODES}
     ppl = {m: np.array([rows[-1]['val_ppl'] for rows in runs[m]]) for m in MODES}
     modes = {}

@@ -27,7 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import hetero_gpt as hg  # defines: TorchOps, EagerEngine, GPT, Config, HeteroStep, Share, Classes, sum_grads, eager_loss_and_grads, main, train
+import hetero_gpt as hg  # defines: TorchOps, EagerEngine, GPT, Config, HeteroStep, StepResult, Classes,
+#   run_engine, eager_loss_and_grads, main, train
 from plumbing import distributed  # defines: world
 
 
@@ -237,45 +238,47 @@ class NoWaitStep(hg.HeteroStep):
     """The GPU engine alone, on one rank, with a fused AdamW on CUDA or the CPU: the host does not
     wait for the gradients before it queues the update. AdamW skips a non-finite step on the
     device, by `found_inf` as GradScaler hands it (torch/amp/grad_scaler.py); MPS's fused AdamW
-    ignores it (docs/coreml_and_ane.md section 6). The host reads the flag once the update is queued."""
-    pending = None  # the share whose flag is not read yet
+    ignores it (docs/coreml_and_ane.md section 6). The host reads the norm once the update is queued."""
 
     def unwaited(self):
         groups = self.optimizer.param_groups if self.optimizer else []
-        return (self.alive == {'gpu'} and distributed.world()[1] == 1 and self.weights.device.type in ('cuda', 'cpu')
+        return (self.alive == {'gpu'} and distributed.world()[1] == 1 and self.device.type in ('cuda', 'cpu')
                 and bool(groups) and all(g.get('fused') for g in groups))
 
     def __call__(self, microbatches):
         if not self.unwaited():
             return super().__call__(microbatches)
-        self.check(microbatches)
         self.split.next_share(self.alive)
-        t0 = time.perf_counter()
-        grads, loss = hg.sum_grads(self.engines['gpu'], microbatches)
-        # a loss that is not finite makes one gradient value NaN: the update then skips the step
-        min(grads.values(), key=torch.Tensor.numel).view(-1)[:1].add_(loss * 0)
-        self.pending, self.t0 = hg.Share(grads, loss, len(microbatches), True, 0.0), t0  # settled in update
-        return self._average({'gpu': self.pending}) | dict(ane_share=0)
+        self.inputs = [(x.contiguous(), y.contiguous()) for x, y in microbatches]
+        share = hg.run_engine(self.engines['gpu'], self.inputs, timed=False)
+        for k, p in self.params.items():
+            p.grad = share.grads[k] / share.n
+        # loss and norm are read in update, after it is queued
+        return hg.StepResult(share.loss / share.n, share.n, ['gpu'], math.nan, 0, {'gpu': share})
 
-    def update(self, out, grad_clip=0.0):
-        if self.pending is None:
-            return super().update(out, grad_clip)
-        share, self.pending = self.pending, None
-        norm = self.clip(grad_clip)
-        self.optimizer.found_inf = (~norm.isfinite()).float()
+    def update(self, result, grad_clip=0.0):
+        if not isinstance(result.loss, torch.Tensor):  # the reference's step: read already
+            return super().update(result, grad_clip)
+        grads = [p.grad for p in self.params.values()]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(grads, grad_clip, norm)
+        bad = ~(norm + result.loss).isfinite()  # a non-finite loss or gradient skips the step
+        self.optimizer.found_inf = bad.float()
         try:
             self.optimizer.step()
         finally:
             del self.optimizer.found_inf  # this step's only, as GradScaler's
         self.optimizer.zero_grad(set_to_none=True)
-        share.finite = bool(norm.isfinite())  # the update is queued: the host reads now
-        share.loss, share.seconds = float(share.loss), time.perf_counter() - self.t0
-        self._count({'gpu': share})
-        if not share.finite:
-            self.skipped += 1
-            out |= dict(loss=math.nan, n=0, used=[])
-        out |= dict(loss=float(out['loss']), grad_norm=float(norm))
-        return out
+        norm, loss = torch.stack([norm.float(), result.loss.float()]).tolist()  # the one wait
+        self.inputs = None
+        finite = math.isfinite(norm + loss)
+        self.engines['gpu'].scaler.update(finite)
+        if finite:
+            return dataclasses.replace(result, loss=loss, grad_norm=norm)
+        self.dropped['gpu'] += 1
+        self.skipped += 1
+        return dataclasses.replace(result, loss=math.nan, n=0, used=[], grad_norm=norm)
 
 
 def classes(cfg):
