@@ -58,9 +58,10 @@ from plumbing.settings import ON_MAC, UserError, check_batch, setting  # defines
 #   UserError, check_batch, setting
 
 # -----------------------------------------------------------------------------
-# 1. Configuration: every setting, its default, and one line on what it does.
-# `python hetero_gpt.py --name value` overrides any of them; --help lists them.
-# GPTConfig holds the model's fields, Config adds the run's; all are flags.
+# 1. Configuration: each setting with its default and a line of help.
+# `python hetero_gpt.py --name value` overrides any of them.
+# --help lists them all.
+# GPTConfig holds the model's fields. Config adds the run's.
 
 @dataclass
 class GPTConfig:  # defaults are GPT-2 124M's
@@ -69,7 +70,8 @@ class GPTConfig:  # defaults are GPT-2 124M's
     n_layer: int = setting(12, "transformer blocks")
     n_head: int = setting(12, "attention heads per block")
     n_embd: int = setting(768, "embedding width")
-    bias: bool = setting(True, "biases in linear layers and LayerNorms, as GPT-2 (False: nanoGPT's bias=False)")
+    bias: bool = setting(True, "biases in linear layers and LayerNorms, as GPT-2 "
+                               "(False: nanoGPT's bias=False)")
 
 
 def model_config(cfg):
@@ -80,12 +82,15 @@ def model_config(cfg):
 @dataclass
 class Config(GPTConfig):
     # data
-    dataset: str = setting('shakespeare', "data set under data/<name>/ (prepare_data.py makes it)")
+    dataset: str = setting('shakespeare', "data set under data/<name>/ "
+                                          "(prepare_data.py makes it)")
     data_dir: str = setting('data', "folder that holds the prepared data sets")
     # optimisation
     batch_size: int = setting(8, "sequences per microbatch")
-    gradient_accumulation_steps: int = setting(4, "microbatches per optimizer step (hetero splits these)")
-    max_iters: int = setting(1000, "optimizer steps (0: none; a resumed run stops at this step too)")
+    gradient_accumulation_steps: int = setting(4, "microbatches per optimizer step "
+                                                  "(hetero splits these)")
+    max_iters: int = setting(1000, "optimizer steps "
+                                   "(0: none; a resumed run stops at this step too)")
     learning_rate: float = setting(3e-4, "peak learning rate")
     min_lr: float = setting(3e-5, "learning rate at the end of the cosine decay")
     warmup_iters: int = setting(100, "linear warm-up steps")
@@ -94,36 +99,59 @@ class Config(GPTConfig):
     beta2: float = setting(0.95, "AdamW beta2")
     grad_clip: float = setting(1.0, "clip the averaged gradient's norm to this (0: off)")
     # engines
-    mode: str = setting('auto', "gpu | ane | hetero | auto (hetero on macOS, gpu elsewhere)")
-    device: str = setting('auto', "GPU engine device: auto (mps > cuda > cpu), cpu, cuda, cuda:1, mps")
-    dtype: str = setting('auto', "GPU engine precision: auto (bf16 on CUDA, fp32 else), float32, bfloat16, float16")
-    ane_device: str = setting('auto', "off macOS, device of the eager stand-in for the ANE (auto: the GPU engine's)")
-    ane_dtype: str = setting('float16', "off macOS, precision of the eager stand-in (float16 = the ANE's)")
-    ane_fraction: str = setting('auto', "share of microbatches for the ANE: a number in [0,1] or auto (rebalance)")
-    ane_batch_size: int = setting(0, "sequences per ANE call; a divisor of batch_size (0: the largest up to 4)")
-    ane_programs: str = setting('', "folder of the ANE's Core ML programs (default: out_dir/ane_B{ane_batch}_T{block})")
-    ane_worker: bool = setting(True, "run the ANE engine in a worker process (on macOS; off it, when it is on the CPU)")
-    ane_evaluator: str = setting('eager', "off macOS, the ANE programs' runner: eager (PyTorch) or numpy (slow)")
-    ane_load_timeout: float = setting(3600.0, "seconds the ANE worker may take to start and compile its programs")
-    loss_scale: float = setting(1024.0, "GPU engine's initial fp16 loss scale (dynamic: x2 after scale_window finite steps, /2 on overflow)")
-    ane_loss_scale: float = setting(256.0, "ANE engine's initial loss scale (as published ANE training); grows only far from fp16's max")
+    mode: str = setting('auto', "gpu | ane | hetero | auto "
+                                "(hetero on macOS, gpu elsewhere)")
+    device: str = setting('auto', "GPU engine device: auto (mps > cuda > cpu), "
+                                  "cpu, cuda, cuda:1, mps")
+    dtype: str = setting('auto', "GPU engine precision: auto (bf16 on CUDA, fp32 else), "
+                                 "float32, bfloat16, float16")
+    ane_device: str = setting('auto', "off macOS, device of the eager stand-in for the ANE "
+                                      "(auto: the GPU engine's)")
+    ane_dtype: str = setting('float16', "off macOS, precision of the eager stand-in "
+                                        "(float16 = the ANE's)")
+    ane_fraction: str = setting('auto', "share of microbatches for the ANE: "
+                                        "a number in [0,1] or auto (rebalance)")
+    ane_batch_size: int = setting(0, "sequences per ANE call; a divisor of batch_size "
+                                     "(0: the largest up to 4)")
+    ane_programs: str = setting('', "folder of the ANE's Core ML programs "
+                                    "(default: out_dir/ane_B{ane_batch}_T{block})")
+    ane_worker: bool = setting(True, "run the ANE engine in a worker process "
+                                     "(on macOS; off it, when it is on the CPU)")
+    ane_evaluator: str = setting('eager', "off macOS, the ANE programs' runner: "
+                                          "eager (PyTorch) or numpy (slow)")
+    ane_load_timeout: float = setting(3600.0, "seconds the ANE worker may take "
+                                              "to start and compile its programs")
+    loss_scale: float = setting(1024.0, "GPU engine's initial fp16 loss scale (dynamic: "
+                                        "x2 after scale_window finite steps, /2 on overflow)")
+    ane_loss_scale: float = setting(256.0, "ANE engine's initial loss scale "
+                                           "(as published ANE training); "
+                                           "grows only far from fp16's max")
     scale_window: int = setting(200, "finite steps before the fp16 loss scale grows")
     compile: bool = setting(False, "torch.compile the GPU engine's model")
-    # evaluation, logging, checkpoints
-    eval_interval: int = setting(100, "evaluate validation loss and save a checkpoint every this many steps")
-    eval_iters: int = setting(20, "validation batches per evaluation (0: the full validation split)")
+    # evaluation, logging and checkpoints
+    eval_interval: int = setting(100, "evaluate validation loss and save a checkpoint "
+                                      "every this many steps")
+    eval_iters: int = setting(20, "validation batches per evaluation "
+                                  "(0: the full validation split)")
     log_interval: int = setting(10, "print and log training metrics every this many steps")
     out_dir: str = setting('out', "checkpoints and metrics.jsonl go here")
     resume: bool = setting(False, "resume from out_dir/ckpt.pt")
-    init_from: str = setting('scratch', "scratch, or GPT-2's weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (from the Hugging Face hub) or a local folder of them")
-    patience: int = setting(3, "stop once this many evaluations in a row did not lower the best validation loss (0: never)")
-    overwrite: bool = setting(False, "start over in an out_dir that holds a run (deletes its checkpoints and metrics)")
-    max_bad_steps: int = setting(10, "stop after this many steps in a row without a usable gradient (0: never)")
+    init_from: str = setting('scratch', "scratch, or GPT-2's weights: gpt2, gpt2-medium, "
+                                        "gpt2-large, gpt2-xl (from the Hugging Face hub) "
+                                        "or a local folder of them")
+    patience: int = setting(3, "stop once this many evaluations in a row "
+                               "did not lower the best validation loss (0: never)")
+    overwrite: bool = setting(False, "start over in an out_dir that holds a run "
+                                     "(deletes its checkpoints and metrics)")
+    max_bad_steps: int = setting(10, "stop after this many steps in a row "
+                                     "without a usable gradient (0: never)")
     sample_tokens: int = setting(200, "tokens of text sampled at the end (0: none)")
     seed: int = setting(1337, "seed for weights and batch order")
     quiet: bool = setting(False, "no progress bar (off a terminal: a line per logged step)")
-    preset: str = setting('', "gpt2: the paper's GPT-2 124M run on this machine too (default: its own defaults)")
-    dist_timeout: float = setting(600.0, "under torchrun, seconds a rank waits for the others before it stops the run")
+    preset: str = setting('', "gpt2: the paper's GPT-2 124M run on this machine too "
+                              "(default: its own defaults)")
+    dist_timeout: float = setting(600.0, "under torchrun, seconds a rank waits for the others "
+                                         "before it stops the run")
 
 
 # without an accelerator, a model that learns within a minute on 2 cores
@@ -131,15 +159,17 @@ CPU_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8
                     gradient_accumulation_steps=2, max_iters=300, learning_rate=1e-3,
                     min_lr=1e-4, warmup_iters=20, eval_interval=100, eval_iters=10)
 # on a Mac, a 30M GPT-2 at its best within an hour on a base chip
-MAC_DEFAULTS = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8, gradient_accumulation_steps=4,
-                    max_iters=600, learning_rate=1e-3, min_lr=1e-4, warmup_iters=50, eval_interval=50)
+MAC_DEFAULTS = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8,
+                    gradient_accumulation_steps=4, max_iters=600, learning_rate=1e-3,
+                    min_lr=1e-4, warmup_iters=50, eval_interval=50)
 MAC_GPT2 = dict(batch_size=2, gradient_accumulation_steps=16)  # --preset gpt2 fits 124M in 16 GB
 
 
 # -----------------------------------------------------------------------------
-# 2. The model: GPT-2 as published, in nanoGPT's layout (same state-dict keys).
-# Learned positions, pre-LayerNorm with bias, tanh-GELU MLP, tied embedding and LM head.
-# bias=False drops every bias, in linear layers and LayerNorms, as nanoGPT's option does.
+# 2. The model: GPT-2 as published, with nanoGPT's state-dict keys.
+# Learned positions and pre-LayerNorm with bias.
+# A tanh-GELU MLP, and an LM head tied to the embedding.
+# bias=False drops every bias, as nanoGPT's option does.
 # No dropout, as the hand-derived backward below does not model it.
 
 class CausalSelfAttention(nn.Module):
@@ -208,7 +238,8 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):
         B, T = idx.shape
         if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} is longer than block_size {self.config.block_size}")
+            raise ValueError(f"sequence length {T} is longer than "
+                             f"block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
@@ -223,7 +254,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=200, vocab=None):
-        for _ in range(max_new_tokens):  # vocab is the tokenizer's size, where the model's is padded
+        # vocab is the tokenizer's size, where the model's is padded
+        for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size:])
             logits = logits[:, -1, :vocab] / temperature
             v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
@@ -240,34 +272,47 @@ def gpt_param_shapes(cfg):
 # -----------------------------------------------------------------------------
 # 3. The hand-derived training step.
 #
-# Written once, as Derivation's methods, over primitive ops each backend provides.
-#   matmul, + - * /, exp log tanh rsqrt, maximum, softmax, reshape, transpose,
-#   sum mean max over one axis, causal_mask, pad_mask
-# TorchOps runs them eagerly, MILOps records them as a Core ML program.
-# Each layer is a forward/backward pair; the backward takes the forward's cache.
+# Derivation's methods write it once over a few primitive ops.
+# Each backend provides these ops.
+#   binary       matmul + - * / maximum
+#   unary        exp log tanh rsqrt softmax
+#   reductions   sum mean max over one axis
+#   layout       reshape transpose
+#   constants    causal_mask pad_mask
+# TorchOps runs them eagerly. MILOps records them as a Core ML program.
+# Each layer is a forward/backward pair.
+# The backward takes the forward's cache.
 # A faster backend overrides a whole pair, cache and all.
 # Every op runs on the ANE; none gathers, scatters, concatenates or splits.
 # host_weights, host_batch and host_grads do the sparse work around it.
 #
-# B sequences of T tokens, N = B*T rows, C = n_embd, H heads of D = C/H
+# B sequences of T tokens make N = B*T rows.
+# C = n_embd, and H heads have D = C/H each.
 # Rows are (N, C) matrices; attention runs per head on (B, H, T, D).
 # Not Apple's (B, C, 1, S) layout of 1x1 convs, as weights are program inputs.
 # A conv with a runtime weight compiles only at batch 1 (coreml_and_ane.md section 3).
 #
-# Core ML names every program input and output, by this scheme.
-#   h{l}_{k}        block l's weight k in BLOCK_PARAMS  x0       the embeddings, wte[idx] + wpe
-#   wte_{j}         vocabulary chunk j of the LM head   wte_tgt  the target rows, wte[targets]
-#   lnf_w, lnf_b    the final layernorm                 loss_scale
-#   x, dy, y        a block piece's input, its gradient, its output
-#   d_{name}        the gradient of input name          peaks    matmul results' largest |value|s
+# Core ML names each program input and output by this scheme.
+#   x0              the embeddings wte[idx] + wpe
+#   h{l}_{k}        block l's weight k in BLOCK_PARAMS
+#   wte_{j}         vocabulary chunk j of the LM head
+#   wte_tgt         the target rows wte[targets]
+#   lnf_w lnf_b     the final layernorm
+#   loss_scale      the loss scale
+#   x y             a block piece's input and output
+#   dy              the gradient of y
+#   d_{name}        the gradient of input name
+#   peaks           matmul results' largest |value|s
 
 GELU_K = math.sqrt(2.0 / math.pi)
 
 # weight name -> (nanoGPT's name under transformer.h.{l}, third of c_attn's rows)
-# The host slices the (3C, C) c_attn in thirds, so no split or concat.
+# The host slices the (3C, C) c_attn in thirds, so programs need no split or concat.
 BLOCK_PARAMS = {
     'ln1_w': ('ln_1.weight', None), 'ln1_b': ('ln_1.bias', None),
-    'wq': ('attn.c_attn.weight', 0), 'wk': ('attn.c_attn.weight', 1), 'wv': ('attn.c_attn.weight', 2),
+    'wq': ('attn.c_attn.weight', 0),
+    'wk': ('attn.c_attn.weight', 1),
+    'wv': ('attn.c_attn.weight', 2),
     'bq': ('attn.c_attn.bias', 0), 'bk': ('attn.c_attn.bias', 1), 'bv': ('attn.c_attn.bias', 2),
     'wo': ('attn.c_proj.weight', None), 'bo': ('attn.c_proj.bias', None),
     'ln2_w': ('ln_2.weight', None), 'ln2_b': ('ln_2.bias', None),
@@ -280,32 +325,40 @@ class Derivation:
     """GPT-2's forward, loss and backward, each layer a pair of methods over self's ops."""
     recompute_attention = False  # True remakes P in the backward instead of caching it
 
-    # ---- linear layer y = x W^T + b, x (N, Cin), W (Cout, Cin)
+    # ---- linear layer: y = x W^T + b, x (N, Cin), W (Cout, Cin)
     def linear_forward(self, x, w, b):  # b is None under bias=False
         y = self.matmul(x, w, tb=True)
         return y if b is None else y + b
 
     def linear_backward(self, dy, x, w):
-        # dL/dx = dy W,  dL/dW = dy^T x,  dL/db = sum over rows of dy
+        # dL/dx = dy W
+        # dL/dW = dy^T x
+        # dL/db = sum over rows of dy
         return self.matmul(dy, w), self.matmul(dy, x, ta=True), self.sum(dy, 0, keep=False)
 
-    # ---- layernorm over the last axis, y = xhat * w + b, xhat = (x - mean) * rstd
+    # ---- layernorm over the last axis: y = xhat * w + b
+    # xhat = (x - mean) * rstd
     def layernorm_forward(self, x, w, b, eps=1e-5):
         xc = x - self.mean(x, -1)
         rstd = self.rsqrt(self.mean(xc * xc, -1) + eps)  # 1/sqrt(var + eps)
         xhat = xc * rstd
-        return (xhat * w if b is None else xhat * w + b), (xhat, rstd)
+        y = xhat * w
+        if b is not None:
+            y = y + b
+        return y, (xhat, rstd)
 
     def layernorm_backward(self, dy, w, cache):
-        # g = dy*w, dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
-        # dw = sum over rows of dy*xhat, db = sum over rows of dy
+        # g = dy * w
+        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+        # dw = sum over rows of dy * xhat
+        # db = sum over rows of dy
         xhat, rstd = cache
         g = dy * w
         dx = (g - self.mean(g, -1) - xhat * self.mean(g * xhat, -1)) * rstd
         return dx, self.sum(dy * xhat, 0, keep=False), self.sum(dy, 0, keep=False)
 
-    # ---- GELU, tanh form y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3)
-    # written out, as the ANE's gelu is a coarse table (coreml_and_ane.md section 2)
+    # ---- GELU, tanh form: y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3)
+    # written out because the ANE's gelu is a coarse table (coreml_and_ane.md section 2)
     def gelu_forward(self, x):
         t = self.tanh((x + 0.044715 * x * x * x) * GELU_K)
         return self.gelu_output((x, t)), (x, t)
@@ -317,9 +370,10 @@ class Derivation:
     def gelu_backward(self, dy, cache):
         # dy/dx = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3 * 0.044715 x^2)
         x, t = cache
-        return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3 * 0.044715 * x * x))
+        return dy * (0.5 * (1.0 + t)
+                     + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3 * 0.044715 * x * x))
 
-    # ---- causal self-attention, q, k, v each (N, C)
+    # ---- causal self-attention: y = P v, with q, k, v and y each (N, C)
     def heads(self, x, B, T, H):  # (N, C) -> (B, H, T, D)
         return self.transpose(self.reshape(x, (B, T, H, -1)), (0, 2, 1, 3))
 
@@ -327,19 +381,21 @@ class Derivation:
         return self.reshape(self.transpose(x, (0, 2, 1, 3)), (B * T, -1))
 
     def attention_probs(self, q, k, T):
-        # P = softmax(q k^T / sqrt(D) + mask), (B, H, T, T)
-        return self.softmax(self.matmul(q, k, tb=True) * (1.0 / math.sqrt(q.shape[-1])) + self.causal_mask(T), -1)
+        # P = softmax(q k^T / sqrt(D) + mask) is (B, H, T, T)
+        scores = self.matmul(q, k, tb=True) * (1.0 / math.sqrt(q.shape[-1]))
+        return self.softmax(scores + self.causal_mask(T), -1)
 
     def attention_forward(self, q, k, v, B, T, H):
-        # y = P v
-        q, k, v = self.heads(q, B, T, H), self.heads(k, B, T, H), self.heads(v, B, T, H)
+        q, k, v = (self.heads(t, B, T, H) for t in (q, k, v))
         att = self.attention_probs(q, k, T)
         y = self.merge_heads(self.matmul(att, v), B, T)
         return y, (q, k, v, None if self.recompute_attention else att)
 
     def attention_backward(self, dy, cache, B, T, H):
-        # dv = P^T dy, dP = dy v^T, dS = P * (dP - rowsum(dP * P))
-        # dq = dS k * scale, dk = dS^T q * scale; the constant mask has no gradient
+        # dv = P^T dy and dP = dy v^T
+        # dS = P * (dP - rowsum(dP * P)), the softmax backward
+        # dq = dS k * scale and dk = dS^T q * scale
+        # The mask is a constant, so it has no gradient.
         dy = self.heads(dy, B, T, H)
         q, k, v, att = cache
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -347,23 +403,27 @@ class Derivation:
             att = self.attention_probs(q, k, T)
         dv = self.matmul(att, dy, ta=True)
         datt = self.matmul(dy, v, tb=True)
-        ds = att * (datt - self.sum(datt * att, -1)) * scale  # softmax backward
-        dq, dk = self.matmul(ds, k), self.matmul(ds, q, ta=True)
+        ds = att * (datt - self.sum(datt * att, -1)) * scale
+        dq = self.matmul(ds, k)
+        dk = self.matmul(ds, q, ta=True)
         return self.merge_heads(dq, B, T), self.merge_heads(dk, B, T), self.merge_heads(dv, B, T)
 
-    # ---- the QKV projection, three (C, C) matmuls on the sliced c_attn
+    # ---- QKV projection: q = a Wq^T + bq, and likewise k and v
+    # three (C, C) matmuls on the sliced c_attn
     def qkv_forward(self, a, w):
         return tuple(self.linear_forward(a, w['w' + c], w.get('b' + c)) for c in 'qkv'), a
 
     def qkv_backward(self, dq, dk, dv, w, cache):
-        da, d = None, {}
+        da = None
+        d = {}
         for c, dc in zip('qkv', (dq, dk, dv)):
             dac, d['w' + c], d['b' + c] = self.linear_backward(dc, cache, w['w' + c])
             da = dac if da is None else da + dac
         return da, d
 
-    # ---- one transformer block, x + attn(ln_1(x)), then + mlp(ln_2(.))
-    # w maps BLOCK_PARAMS names to weights; bias=False leaves the biases out
+    # ---- transformer block: x += attn(ln_1(x)), then x += mlp(ln_2(x))
+    # w maps BLOCK_PARAMS names to weights.
+    # bias=False leaves the biases out of w.
     def block_forward(self, x, w, B, T, H):
         a, ln1 = self.layernorm_forward(x, w['ln1_w'], w.get('ln1_b'))
         (q, k, v), qkv = self.qkv_forward(a, w)
@@ -376,7 +436,8 @@ class Derivation:
         return x, (ln1, qkv, y, attn, m, ln2, gelu)  # no g, as gelu_output remakes it
 
     def block_backward(self, dx, w, cache, B, T, H):
-        # the forward's calls in reverse; a residual add passes dx through unchanged
+        # the forward's calls in reverse
+        # a residual add passes dx through unchanged
         ln1, qkv, y, attn, m, ln2, gelu = cache
         d = {}
         dg, d['wpr'], d['bpr'] = self.linear_backward(dx, self.gelu_output(gelu), w['wpr'])
@@ -388,21 +449,22 @@ class Derivation:
         dq, dk, dv = self.attention_backward(dy, attn, B, T, H)
         da, dqkv = self.qkv_backward(dq, dk, dv, w, qkv)
         dax, d['ln1_w'], d['ln1_b'] = self.layernorm_backward(da, w['ln1_w'], ln1)
-        return dx + dax, {k: v for k, v in (d | dqkv).items() if k in w}  # no gradient for an absent bias
+        grads = {k: v for k, v in (d | dqkv).items() if k in w}  # none for an absent bias
+        return dx + dax, grads
 
-    # ---- log-sum-exp over the last axis, lse = m + log sum_v exp(z_v - m), m = max_v z_v
-    # the largest term is exp(0) = 1, so exp never overflows
+    # ---- log-sum-exp over the last axis: lse = m + log sum_v exp(z_v - m)
+    # m = max_v z_v makes the largest term exp(0) = 1, so exp never overflows
     def logsumexp_forward(self, z):
         m = self.max(z, -1)
         return m + self.log(self.sum(self.exp(z - m), -1))
 
-    # ---- tied LM head + mean cross-entropy
-    # loss = mean_n (lse_n - z_n[target_n]), lse_n = log sum_v exp(z_nv), z = x W^T
+    # ---- tied LM head and mean cross-entropy: loss = mean_n (lse_n - z_n[target_n])
+    # z = x W^T and lse_n = log sum_v exp(z_nv)
     # 50257 rows exceed the ANE's limit of 16384, so W arrives in chunks.
-    # lse = the log-sum-exp of the chunks' own log-sum-exps lse_c
+    # lse is the log-sum-exp of the chunks' own log-sum-exps lse_c.
     # The target logit is x_n . W[target_n]; the host gathers those rows as w_tgt.
-    # The last chunk's `pad` zero rows get a -1e4 logit bias,
-    # so exp() makes them 0 in the softmax and every gradient.
+    # The last chunk's `pad` zero rows get a -1e4 logit bias.
+    # exp() then makes them 0 in the softmax and every gradient.
     def lm_head_forward(self, x, chunks, w_tgt, N, pad=0):
         Vc = chunks[-1].shape[0]
         biases = [None] * (len(chunks) - 1) + [self.pad_mask(Vc, Vc - pad) if pad else None]
@@ -421,28 +483,33 @@ class Derivation:
         return loss, (x, z, lse_c, lse)
 
     def lm_head_backward(self, chunks, w_tgt, cache, dloss):
-        # dloss = loss_scale / N is dL/dloss_n; dz = dloss * (softmax(z) - onehot(target))
-        # per chunk c, exp(z - lse) = softmax_c(z) * r, with r = dloss * exp(lse_c - lse) per row
-        # dW_c = softmax_c^T (r x), dx_c = r (softmax_c W_c)
-        # r scales the (N, C) operands, not the (N, Vc) matrix, 16x fewer numbers
+        # dloss = loss_scale / N is dL/dloss_n
+        # dz = dloss * (softmax(z) - onehot(target))
+        # In chunk c, dloss * exp(z - lse) = softmax_c(z) * r
+        # r = dloss * exp(lse_c - lse) is one number per row
+        # dW_c = softmax_c^T (r x) and dx_c = r (softmax_c W_c)
+        # r scales the (N, C) operands, 16x fewer numbers than the (N, Vc) matrix
         # onehot adds -dloss W[target] to dx and -dloss x to the target rows
         x, z, lse_c, lse = cache
-        dx, dws = None, []
+        dx = None
+        dws = []
         for w, zc, lc in zip(chunks, z, lse_c):
-            probs, r = self.softmax(zc, -1), self.exp(lc - lse) * dloss  # (N, Vc), (N, 1)
+            probs = self.softmax(zc, -1)  # (N, Vc)
+            r = self.exp(lc - lse) * dloss  # (N, 1)
             dws.append(self.matmul(probs, x * r, ta=True))
             dxc = self.matmul(probs, w) * r
             dx = dxc if dx is None else dx + dxc
         return dx - w_tgt * dloss, dws, -x * dloss
 
-    # ---- final layernorm, LM head and loss, forward and backward
+    # ---- the head: loss = lm_head(ln_f(x)), forward and backward
     def head_forward_backward(self, cfg, B, T, inp):
         """(loss, grads) from inp: x (N, C), the last block's output; lnf_w, lnf_b; the vocabulary
         chunks wte_j; the target rows wte_tgt; loss_scale. grads go by the same names."""
         rows, spans = vocab_chunks(cfg.vocab_size)
         chunks = [inp[f'wte_{j}'] for j in range(len(spans))]
+        pad = len(spans) * rows - cfg.vocab_size
         xf, lnf = self.layernorm_forward(inp['x'], inp['lnf_w'], inp.get('lnf_b'))
-        loss, head = self.lm_head_forward(xf, chunks, inp['wte_tgt'], B * T, pad=len(spans) * rows - cfg.vocab_size)
+        loss, head = self.lm_head_forward(xf, chunks, inp['wte_tgt'], B * T, pad=pad)
         grads = {}
         dloss = inp['loss_scale'] * (1.0 / (B * T))
         dxf, dws, grads['wte_tgt'] = self.lm_head_backward(chunks, inp['wte_tgt'], head, dloss)
@@ -457,15 +524,18 @@ class Derivation:
         """GPT-2's forward, loss and backward between the embedding lookup and the target pick,
         from dense inputs by name (dense_input_shapes). Returns the true mean loss and grads by the
         same names, times inp['loss_scale'], so that fp16 weight gradients do not flush to zero."""
-        H, L = cfg.n_head, cfg.n_layer
-        blocks = [{k: inp[f'h{l}_{k}'] for k in BLOCK_PARAMS if f'h{l}_{k}' in inp} for l in range(L)]
-        x, caches = inp['x0'], []
+        H = cfg.n_head
+        L = cfg.n_layer
+        blocks = [{k: inp[f'h{l}_{k}'] for k in BLOCK_PARAMS if f'h{l}_{k}' in inp}
+                  for l in range(L)]
+        x = inp['x0']
+        caches = []
         for l in range(L):
             x, c = self.block_forward(x, blocks[l], B, T, H)
             caches.append(c)
         loss, grads = self.head_forward_backward(cfg, B, T, inp | {'x': x})
-        dx = grads.pop('x')  # ---- backward through the blocks, in reverse
-        for l in reversed(range(L)):
+        dx = grads.pop('x')
+        for l in reversed(range(L)):  # backward through the blocks
             dx, d = self.block_backward(dx, blocks[l], caches[l], B, T, H)
             grads.update({f'h{l}_{k}': v for k, v in d.items()})
         grads['x0'] = dx
@@ -474,16 +544,20 @@ class Derivation:
 
 class TorchOps(Derivation):
     """PyTorch backend of the derivation: eager, no autograd, any device and dtype."""
-    # eager caches live until the backward, and (B, H, T, T) is the largest
+    # P (B, H, T, T) is the largest eager cache, so the backward remakes it
     recompute_attention = True
 
     def __init__(self, dtype, device):
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype = dtype
+        self.device = torch.device(device)
 
     def matmul(self, a, b, ta=False, tb=False):
-        a, b = (a.mT if ta else a), (b.mT if tb else b)
+        if ta:
+            a = a.mT
+        if tb:
+            b = b.mT
         if self.dtype == torch.float16 and self.device.type == 'cpu':
-            # no fast fp16 GEMM on CPUs; fp32 sums, as on the ANE and tensor cores
+            # CPUs have no fast fp16 GEMM; fp32 sums match the ANE and tensor cores
             return (a.float() @ b.float()).half()
         return a @ b
 
@@ -501,11 +575,12 @@ class TorchOps(Derivation):
     def transpose(self, x, perm): return x.permute(perm)
 
     def causal_mask(self, T):
-        # additive mask, 0 on and below the diagonal, -1e4 above
-        # not -inf, as -inf - -inf = nan; exp(-1e4) is 0 in any dtype (coreml_and_ane.md section 2)
+        # an additive mask: 0 on and below the diagonal and -1e4 above
+        # not -inf, as -inf - -inf = nan
+        # exp(-1e4) is 0 in any dtype (coreml_and_ane.md section 2)
         return torch.full((T, T), -1e4, dtype=self.dtype, device=self.device).triu(1)
 
-    def pad_mask(self, n, valid):  # an (n,) bias, 0 on the first `valid` columns, -1e4 after
+    def pad_mask(self, n, valid):  # an (n,) bias: 0 on the first `valid` columns and -1e4 after
         return torch.where(torch.arange(n, device=self.device) < valid, 0.0, -1e4).to(self.dtype)
 
 
@@ -518,10 +593,12 @@ def vocab_chunks(V):
 
 
 def model_sizes(cfg):
-    """(parameter count, the tied LM head once; vocabulary rows, padded as the ANE's head takes them)."""
+    """(parameter count, the tied LM head once; vocabulary rows, padded as the ANE's head
+    takes them)."""
     rows, spans = vocab_chunks(cfg.vocab_size)
     shapes = gpt_param_shapes(model_config(cfg))
-    return sum(p.numel() for k, p in shapes.items() if k != 'lm_head.weight'), rows * len(spans)
+    n_params = sum(p.numel() for k, p in shapes.items() if k != 'lm_head.weight')
+    return n_params, rows * len(spans)
 
 
 def dense_input_shapes(cfg, B, T):
@@ -532,7 +609,7 @@ def dense_input_shapes(cfg, B, T):
         'x0': (B * T, cfg.n_embd), 'wte_tgt': (B * T, cfg.n_embd), 'loss_scale': (1, 1)}
 
 
-# ---- the host side, the sparse work around the dense step
+# ---- the host side: the sparse work around the dense step
 def host_weights(params, cfg):
     """The dense step's weight inputs from nanoGPT's names: the same tensors, with c_attn
     sliced into q/k/v rows and the (tied) embedding into vocabulary chunks."""
@@ -545,8 +622,9 @@ def host_weights(params, cfg):
                 w = params[f'transformer.h.{l}.{name}']
                 inp[f'h{l}_{k}'] = w if third is None else w.chunk(3, 0)[third]
     rows, spans = vocab_chunks(cfg.vocab_size)
+    wte = params['transformer.wte.weight']
     for j, (a, b) in enumerate(spans):  # the last chunk padded with zero rows to `rows`
-        inp[f'wte_{j}'] = F.pad(params['transformer.wte.weight'][a:b], (0, 0, 0, rows - (b - a)))
+        inp[f'wte_{j}'] = F.pad(wte[a:b], (0, 0, 0, rows - (b - a)))
     return inp
 
 
@@ -554,8 +632,10 @@ def host_batch(wte, wpe, cfg, idx, targets, loss_scale):
     """The dense step's per-microbatch inputs: the embeddings x0 = wte[idx] + wpe[:T], the target
     rows wte_tgt = wte[targets], the loss scale as a (1, 1) tensor."""
     T = idx.shape[1]
-    return {'x0': (wte[idx] + wpe[:T]).reshape(-1, cfg.n_embd), 'wte_tgt': wte[targets.reshape(-1)],
-            'loss_scale': torch.full((1, 1), float(loss_scale), dtype=wte.dtype, device=wte.device)}
+    scale = torch.full((1, 1), float(loss_scale), dtype=wte.dtype, device=wte.device)
+    return {'x0': (wte[idx] + wpe[:T]).reshape(-1, cfg.n_embd),
+            'wte_tgt': wte[targets.reshape(-1)],
+            'loss_scale': scale}
 
 
 def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
@@ -563,23 +643,26 @@ def host_grads(g, cfg, idx, targets, loss_scale, out_dtype):
     embedding rows' gradients, sum positions over the batch, join q/k/v, unscale."""
     B, T = idx.shape
     g = {k: v.to(out_dtype) for k, v in g.items()}
-    dwte = torch.cat([g[f'wte_{j}'][:b - a] for j, (a, b) in enumerate(vocab_chunks(cfg.vocab_size)[1])], 0)
+    spans = vocab_chunks(cfg.vocab_size)[1]
+    dwte = torch.cat([g[f'wte_{j}'][:b - a] for j, (a, b) in enumerate(spans)], 0)
     dwte.index_add_(0, idx.reshape(-1), g['x0'])           # d wte[idx[n]] += dx0[n]
     dwte.index_add_(0, targets.reshape(-1), g['wte_tgt'])  # d wte[target[n]] += dwte_tgt[n]
     dwpe = torch.zeros(cfg.block_size, cfg.n_embd, dtype=out_dtype, device=dwte.device)
     dwpe[:T] = g['x0'].reshape(B, T, -1).sum(0)            # every sequence uses wpe's first T rows
-    grads = {'transformer.wte.weight': dwte, 'transformer.wpe.weight': dwpe, 'transformer.ln_f.weight': g['lnf_w']}
+    grads = {'transformer.wte.weight': dwte, 'transformer.wpe.weight': dwpe,
+             'transformer.ln_f.weight': g['lnf_w']}
     if 'lnf_b' in g:  # a gradient for every input the step had
         grads['transformer.ln_f.bias'] = g['lnf_b']
     for l in range(cfg.n_layer):
         for k, (name, third) in BLOCK_PARAMS.items():
             if f'h{l}_{k}' in g and third is None:
                 grads[f'transformer.h.{l}.{name}'] = g[f'h{l}_{k}']
-            elif f'h{l}_{k}' in g and third == 0:
-                grads[f'transformer.h.{l}.{name}'] = torch.cat([g[f'h{l}_{k[0]}{c}'] for c in 'qkv'], 0)
+            elif f'h{l}_{k}' in g and third == 0:  # q's third, joined with k's and v's
+                thirds = [g[f'h{l}_{k[0]}{c}'] for c in 'qkv']
+                grads[f'transformer.h.{l}.{name}'] = torch.cat(thirds, 0)
     if loss_scale != 1.0:
-        for g in grads.values():
-            g.div_(loss_scale)
+        for grad in grads.values():
+            grad.div_(loss_scale)
     return grads
 
 
@@ -588,11 +671,13 @@ def eager_loss_and_grads(ops, cfg, w, idx, targets, loss_scale):
     names, already in its dtype on its device; grads unscaled, fp32 for fp16/bf16 runs
     (unscaling in fp16 would flush small ones). Non-finite values come back as they are."""
     with torch.no_grad():
-        inp = host_weights(w, cfg) | host_batch(w['transformer.wte.weight'], w['transformer.wpe.weight'],
-                                                cfg, idx, targets, loss_scale)
+        wte = w['transformer.wte.weight']
+        wpe = w['transformer.wpe.weight']
+        inp = host_weights(w, cfg) | host_batch(wte, wpe, cfg, idx, targets, loss_scale)
         loss, g = ops.dense_forward_backward(cfg, idx.shape[0], idx.shape[1], inp)
         out_dtype = torch.float32 if ops.dtype in (torch.float16, torch.bfloat16) else ops.dtype
-        return loss.reshape(()).to(out_dtype), host_grads(g, cfg, idx, targets, loss_scale, out_dtype)
+        loss = loss.reshape(()).to(out_dtype)
+        return loss, host_grads(g, cfg, idx, targets, loss_scale, out_dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -602,13 +687,14 @@ def eager_loss_and_grads(ops, cfg, w, idx, targets, loss_scale):
 # A whole model compiles for tens of minutes or fails (coreml_and_ane.md section 1).
 # One block compiles in a second, so the host chains three programs (CoreMLEngine).
 # Blocks share shapes and take weights as inputs, so each compiles once.
-#   block_forward   x, the block's weights                -> y                  L calls
-#   head            x_L, ln_f, vocabulary chunks, target rows, loss scale
-#                                                          -> loss, d_x, d_<its weights>
-#   block_backward  x, dy, the block's weights            -> d_x, d_<weights>   L calls
+#   block_forward   x and the block's weights         -> y                      L calls
+#   head            x_L, ln_f, vocabulary chunks, target rows and loss scale
+#                                                     -> loss, d_x and d_<its weights>
+#   block_backward  x, dy and the block's weights     -> d_x and d_<weights>    L calls
 # block_backward recomputes its block's forward from x.
-# A cache would cross the host twice, as fp32 (coreml_and_ane.md section 1).
-# Opset macOS13 takes fp16 in and out; export_ane.py --whole_step makes one 'step' program.
+# A cache would cross the host twice as fp32 (coreml_and_ane.md section 1).
+# Opset macOS13 takes fp16 in and out.
+# export_ane.py --whole_step makes one 'step' program instead.
 ANE_PIECES = ('block_forward', 'head', 'block_backward')
 
 
@@ -616,12 +702,17 @@ ANE_PIECES = ('block_forward', 'head', 'block_backward')
 class MILTensor:
     """A MIL variable whose + - * / record MIL ops; Python floats become fp16 constants."""
     var: object
-    shape = property(lambda self: tuple(self.var.shape))
+
+    @property
+    def shape(self):
+        return tuple(self.var.shape)
 
     def binary(self, op, other, swap=False):
         from coremltools.converters.mil import Builder as mb
-        y = other.var if isinstance(other, MILTensor) else np.float16(other)
-        return MILTensor(getattr(mb, op)(x=y if swap else self.var, y=self.var if swap else y))
+        other = other.var if isinstance(other, MILTensor) else np.float16(other)
+        if swap:  # other op self, as in 1.0 - x
+            return MILTensor(getattr(mb, op)(x=other, y=self.var))
+        return MILTensor(getattr(mb, op)(x=self.var, y=other))
 
     def __add__(self, o): return self.binary('add', o)
     def __radd__(self, o): return self.binary('add', o, swap=True)
@@ -646,44 +737,60 @@ class MILOps(Derivation):
     def matmul(self, a, b, ta=False, tb=False):
         return MILTensor(self.mb.matmul(x=a.var, y=b.var, transpose_x=ta, transpose_y=tb))
 
-    exp, log, tanh, rsqrt = (lambda self, x, op=op: self.unary(op, x) for op in ('exp', 'log', 'tanh', 'rsqrt'))
+    def exp(self, x): return self.unary('exp', x)
+    def log(self, x): return self.unary('log', x)
+    def tanh(self, x): return self.unary('tanh', x)
+    def rsqrt(self, x): return self.unary('rsqrt', x)
+    def maximum(self, a, b): return a.binary('maximum', b)
+
     def max(self, x, axis): return self.unary('reduce_max', x, axes=[axis], keep_dims=True)
     def softmax(self, x, axis): return self.unary('softmax', x, axis=axis)
     def reshape(self, x, shape): return self.unary('reshape', x, shape=list(shape))
     def transpose(self, x, perm): return self.unary('transpose', x, perm=list(perm))
-    def maximum(self, a, b): return a.binary('maximum', b)
 
-    # The ANE's reduce_sum accumulates in fp16, its matmul wide (coreml_and_ane.md section 2).
-    # So a sum is a matmul, x @ c over the last axis, c^T x over rows, c constant.
+    # The ANE's reduce_sum accumulates in fp16 (coreml_and_ane.md section 2).
+    # Its matmul accumulates wider, so a sum is a matmul by a constant c.
+    # x @ c sums over the last axis and c^T x over rows.
     # c = 1 sums; c = 1/n means, so no partial sum leaves fp16's range.
     def sum_as_matmul(self, x, axis, c):
-        vec = MILTensor(self.mb.const(val=np.full((1, x.shape[0]) if axis == 0 else (x.shape[axis], 1), c, np.float16)))
-        return self.matmul(vec, x) if axis == 0 else self.matmul(x, vec)
+        if axis == 0:
+            vec = MILTensor(self.mb.const(val=np.full((1, x.shape[0]), c, np.float16)))
+            return self.matmul(vec, x)
+        vec = MILTensor(self.mb.const(val=np.full((x.shape[axis], 1), c, np.float16)))
+        return self.matmul(x, vec)
 
     def sum(self, x, axis, keep=True):
         s = self.sum_as_matmul(x, axis, 1.0)
-        return s if keep else self.reshape(s, [d for i, d in enumerate(x.shape) if i != axis % len(x.shape)])
+        if keep:
+            return s
+        return self.reshape(s, [d for i, d in enumerate(x.shape) if i != axis % len(x.shape)])
 
     def mean(self, x, axis): return self.sum_as_matmul(x, axis, 1.0 / x.shape[axis])
 
     def layernorm_forward(self, x, w, b, eps=1e-5):
         # fp16 squares overflow past 256 (coreml_and_ane.md section 2).
         # GPT-2's residual rows pass it, so each row is first divided by s = max |xc|.
-        # s is at least 2^-14, so a constant row gives 0, not 0/0.
-        # xs = xc/s, xhat = xs r, r = rsqrt(mean(xs^2) + e^2), e = sqrt(eps)/s, rstd = r/s
+        # s is at least 2^-14, so a constant row gives 0 and not 0/0.
+        # xs = xc/s and e = sqrt(eps)/s
+        # xhat = xs r with r = rsqrt(mean(xs^2) + e^2), and rstd = r/s
         # The cache is the derivation's (xhat, rstd), so its layernorm_backward serves.
         xc = x - self.mean(x, -1)
         s = self.maximum(self.max(self.unary('abs', xc), -1), 2.0 ** -14)
-        xs, e = xc / s, math.sqrt(eps) / s
+        xs = xc / s
+        e = math.sqrt(eps) / s
         r = self.rsqrt(self.mean(xs * xs, -1) + e * e)
         xhat = xs * r
-        return (xhat * w if b is None else xhat * w + b), (xhat, r / s)
+        y = xhat * w
+        if b is not None:
+            y = y + b
+        return y, (xhat, r / s)
 
-    def causal_mask(self, T):  # program constants, the same as TorchOps' masks
+    def causal_mask(self, T):  # program constants equal to TorchOps' masks
         return MILTensor(self.mb.const(val=np.triu(np.full((T, T), -1e4, np.float16), 1)))
 
     def pad_mask(self, n, valid):
-        return MILTensor(self.mb.const(val=np.where(np.arange(n) < valid, 0, -1e4).astype(np.float16)))
+        mask = np.where(np.arange(n) < valid, 0, -1e4).astype(np.float16)
+        return MILTensor(self.mb.const(val=mask))
 
 
 def piece_input_shapes(cfg, B, T, piece):
@@ -693,7 +800,8 @@ def piece_input_shapes(cfg, B, T, piece):
         return shapes
     x = {'x': (B * T, cfg.n_embd)}
     if piece == 'head':
-        return x | {k: v for k, v in shapes.items() if k.startswith(('lnf_', 'wte_')) or k == 'loss_scale'}
+        return x | {k: v for k, v in shapes.items()
+                    if k.startswith(('lnf_', 'wte_')) or k == 'loss_scale'}
     dy = {'dy': x['x']} if piece == 'block_backward' else {}
     return x | dy | {k: shapes[f'h0_{k}'] for k in BLOCK_PARAMS if f'h0_{k}' in shapes}
 
@@ -736,7 +844,8 @@ def build_coreml_program(cfg, B, T, piece='step'):
 
     def fn(ops, **inp):
         out = run_piece(ops, cfg, B, T, piece, inp)
-        return out | {k: MILTensor(v) for k, v in programs.peaks([v.var for v in out.values()], piece).items()}
+        peaks = programs.peaks([v.var for v in out.values()], piece)
+        return out | {k: MILTensor(v) for k, v in peaks.items()}
     return mil_program(fn, piece_input_shapes(cfg, B, T, piece))
 
 
@@ -748,20 +857,23 @@ def coreml_predict_fn(path, pieces):
     if not ON_MAC:
         return programs.numpy_programs(path, pieces)
     ct = settings.import_coremltools()
+
+    def load(compiled):
+        return ct.models.CompiledMLModel(compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
     models = {}
     for piece in pieces:
         try:
-            models[piece] = programs.load_compiled(path, piece, lambda compiled: ct.models.CompiledMLModel(
-                compiled, compute_units=ct.ComputeUnit.CPU_AND_NE))
+            models[piece] = programs.load_compiled(path, piece, load)
         except Exception as e:  # a failed compile or load, named in one line
-            raise UserError(f"Core ML could not compile or load the program {piece} ({settings.one_line(e)})") from None
+            raise UserError(f"Core ML could not compile or load the program {piece} "
+                            f"({settings.one_line(e)})") from None
     return lambda piece, inputs: programs.coreml_predict(models[piece], inputs)
 
 
 # -----------------------------------------------------------------------------
 # 5. The engines, and which ones a mode builds.
-# AutogradEngine runs on the GPU, CoreMLEngine runs the ANE's programs.
-# EagerEngine runs the derivation in PyTorch, the ANE's stand-in off a Mac.
+# AutogradEngine runs on the GPU. CoreMLEngine runs the ANE's programs.
+# EagerEngine runs the derivation in PyTorch: the ANE's stand-in off a Mac.
 
 
 class Engine:
@@ -782,17 +894,24 @@ class LossScaler:
 
     def __init__(self, scale, window, enabled=True, limit=math.inf):
         self.scale = float(scale) if enabled else 1.0
-        self.window, self.enabled, self.good, self.limit, self.peak = window, enabled, 0, limit, 0.0
+        self.window = window
+        self.enabled = enabled
+        self.good = 0  # finite steps in this window
+        self.limit = limit
+        self.peak = 0.0  # the window's largest |value|
 
     def update(self, finite):
         if self.enabled and not finite:
-            self.scale, self.good, self.peak = max(self.scale / 2, 1.0), 0, 0.0
+            self.scale = max(self.scale / 2, 1.0)
+            self.good = 0
+            self.peak = 0.0
         elif self.enabled:
             self.good += 1
             if self.good >= self.window:
-                if 2 * self.peak < self.limit:  # doubled, the window's largest value stays under limit
+                if 2 * self.peak < self.limit:  # doubled, the peak stays under limit
                     self.scale = min(self.scale * 2, 2.0 ** 24)
-                self.good, self.peak = 0, 0.0
+                self.good = 0
+                self.peak = 0.0
 
 
 class AutogradEngine(Engine):
@@ -804,7 +923,8 @@ class AutogradEngine(Engine):
         self.device = device
         self.forward = torch.compile(model) if compile else model
         self.params = list(model.named_parameters())
-        # bf16, fp16 autocast over fp32 master weights; fp32, fp64 run as they are
+        # bf16 and fp16 autocast over fp32 master weights
+        # fp32 and fp64 run as they are
         self.autocast = contextlib.nullcontext()
         if dtype in (torch.bfloat16, torch.float16):
             self.autocast = torch.autocast(device.type, dtype=dtype)
@@ -815,14 +935,14 @@ class AutogradEngine(Engine):
         self.label = f"autograd on {device} ({str(dtype).replace('torch.', '')})"
 
     def loss_and_grads(self, idx, targets):
-        # idx and targets are contiguous, and the step keeps them until its wait,
-        # so the copies need not wait (an MPS copy reads them when it runs)
+        # idx and targets are contiguous and live until the step's wait.
+        # So the copies need not wait; an MPS copy reads them when it runs.
         idx = idx.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         with self.autocast:  # the forward only, as backward ops take their forward's dtypes
             _, loss = self.forward(idx, targets)
         self.model.zero_grad(set_to_none=True)  # after queuing the forward, so the device is busy
-        if self.scaler.enabled:  # fp16: the backward seeded with the scale, divided out after
+        if self.scaler.enabled:  # fp16 seeds the backward with the scale, then divides it out
             (loss * self.scaler.scale).backward()
             grads = {n: p.grad / self.scaler.scale for n, p in self.params}
         else:
@@ -837,20 +957,26 @@ class EagerEngine(Engine):
     name = 'ane'
 
     def __init__(self, cfg, device, dtype, scaler):
-        self.cfg, self.device, self.dtype, self.scaler = cfg, device, dtype, scaler
-        self.ops, self.w = TorchOps(dtype, device), None
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.scaler = scaler
+        self.ops = TorchOps(dtype, device)
+        self.w = None  # the weights, made at the first load_weights
         self.label = f"eager derivation on {device} ({str(dtype).replace('torch.', '')})"
 
     @torch.no_grad()
     def load_weights(self, params):
         if self.w is None:  # buffers made once, refreshed in place
-            self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device) for k, p in params.items()}
+            self.w = {k: torch.empty(p.shape, dtype=self.dtype, device=self.device)
+                      for k, p in params.items()}
         for k, p in params.items():
             self.w[k].copy_(p)
 
     def loss_and_grads(self, idx, targets):
-        return eager_loss_and_grads(self.ops, self.cfg, self.w, idx.to(self.device), targets.to(self.device),
-                                    self.scaler.scale)
+        idx = idx.to(self.device)
+        targets = targets.to(self.device)
+        return eager_loss_and_grads(self.ops, self.cfg, self.w, idx, targets, self.scaler.scale)
 
 
 class CoreMLEngine(Engine):
@@ -863,23 +989,30 @@ class CoreMLEngine(Engine):
 
     def __init__(self, cfg, B, T, predict, pieces=ANE_PIECES, scaler=None, label='Core ML'):
         programs.check_shapes(B, T, cfg.block_size)
-        self.cfg, self.B, self.T, self.predict, self.pieces = cfg, B, T, predict, tuple(pieces)
+        self.cfg = cfg
+        self.B = B
+        self.T = T
+        self.predict = predict
+        self.pieces = tuple(pieces)
         self.scaler = scaler or LossScaler(1.0, 0, enabled=False)
-        self.label, self.shapes = label, {k: tuple(p.shape) for k, p in gpt_param_shapes(cfg).items()}
-        # fp32 buffers, made once, since coremltools wraps fp32 arrays as they are
+        self.label = label
+        self.shapes = {k: tuple(p.shape) for k, p in gpt_param_shapes(cfg).items()}
+        # fp32 buffers made once, since coremltools wraps fp32 arrays as they are
         # but copies each fp16 one into a new fp32 array (coreml_and_ane.md section 1)
-        N, C, L = B * T, cfg.n_embd, cfg.n_layer
+        rows = (B * T, cfg.n_embd)  # an (N, C) activation
+        L = cfg.n_layer
         self.inputs = {k: np.zeros(s, np.float32) for k, s in dense_input_shapes(cfg, B, T).items()}
-        self.xs = [self.inputs['x0']] + [np.zeros((N, C), np.float32) for _ in range(L)]  # each block's input
-        self.dy = np.zeros((N, C), np.float32)
+        # xs[l] is block l's input, and xs[L] the head's
+        self.xs = [self.inputs['x0']] + [np.zeros(rows, np.float32) for _ in range(L)]
+        self.dy = np.zeros(rows, np.float32)
         self.head = {k: self.inputs[k] for k in piece_input_shapes(cfg, B, T, 'head') if k != 'x'}
-        self.blocks = [{k: self.inputs[f'h{l}_{k}'] for k in piece_input_shapes(cfg, B, T, 'block_forward')
-                        if k != 'x'} for l in range(L)]
+        block = [k for k in piece_input_shapes(cfg, B, T, 'block_forward') if k != 'x']
+        self.blocks = [{k: self.inputs[f'h{l}_{k}'] for k in block} for l in range(L)]
 
     def load_weights(self, params):
         if {k: tuple(p.shape) for k, p in params.items()} != self.shapes:
-            raise UserError(f"the ANE programs were exported for another model ({self.cfg}): re-export them "
-                            "with export_ane.py for this one")
+            raise UserError(f"the ANE programs were exported for another model ({self.cfg}): "
+                            "re-export them with export_ane.py for this one")
         for k, v in host_weights({k: p.detach() for k, p in params.items()}, self.cfg).items():
             np.copyto(self.inputs[k], v.float().cpu().numpy())
         self.wte = params['transformer.wte.weight'].detach().float().cpu()
@@ -888,20 +1021,27 @@ class CoreMLEngine(Engine):
     def loss_and_grads(self, idx, targets):
         b, t = idx.shape
         if t != self.T or b % self.B:
-            raise UserError(f"the ANE programs take calls of {self.B}x{self.T} tokens: they cannot run a microbatch "
-                            f"of {b}x{t}; export them with export_ane.py --ane_batch_size B, B dividing {b}")
-        idx, targets, loss, grads = idx.cpu(), targets.cpu(), 0.0, None
+            raise UserError(f"the ANE programs take calls of {self.B}x{self.T} tokens: "
+                            f"they cannot run a microbatch of {b}x{t}; export them with "
+                            f"export_ane.py --ane_batch_size B, B dividing {b}")
+        idx = idx.cpu()
+        targets = targets.cpu()
+        calls = b // self.B
+        loss = 0.0
+        grads = None
         for i in range(0, b, self.B):  # the mean of equal-sized means is the mean
             l, g = self._call(idx[i:i + self.B], targets[i:i + self.B])
             loss += l
             grads = g if grads is None else {k: v.add_(g[k]) for k, v in grads.items()}
-        for v in grads.values() if b > self.B else ():
-            v.div_(b // self.B)
-        return torch.tensor(loss / (b // self.B)), grads
+        if calls > 1:
+            for v in grads.values():
+                v.div_(calls)
+        return torch.tensor(loss / calls), grads
 
     def _call(self, idx, targets):
         """One chain of programs on B sequences: (loss, unscaled gradients by nanoGPT name)."""
-        for k, v in host_batch(self.wte, self.wpe, self.cfg, idx, targets, self.scaler.scale).items():
+        batch = host_batch(self.wte, self.wpe, self.cfg, idx, targets, self.scaler.scale)
+        for k, v in batch.items():
             np.copyto(self.inputs[k], v.numpy())
         peaks = []
 
@@ -909,13 +1049,19 @@ class CoreMLEngine(Engine):
             out = self.predict(piece, inputs)
             peaks.extend(float(np.max(np.abs(v))) for v in out.values())
             return {k: v for k, v in out.items() if k != 'peaks'}
-        out = run('step', self.inputs) if self.pieces == ('step',) else self._chain(run)
+        if self.pieces == ('step',):  # export_ane.py --whole_step
+            out = run('step', self.inputs)
+        else:
+            out = self._chain(run)
         peak = float(np.max(peaks))  # nan if any output holds a nan
         self.scaler.peak = max(self.scaler.peak, peak)
-        g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in out.items() if k.startswith('d_')}
-        # any output or peak past ANE_OVERFLOW makes the loss inf
-        # so the step drops these gradients and lowers the loss scale
-        loss = float(np.asarray(out['loss']).reshape(-1)[0]) if peak < ANE_OVERFLOW else math.inf
+        g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32))
+             for k, v in out.items() if k.startswith('d_')}
+        # Any output or peak past ANE_OVERFLOW makes the loss inf.
+        # The step then drops these gradients and lowers the loss scale.
+        loss = math.inf
+        if peak < ANE_OVERFLOW:
+            loss = float(np.asarray(out['loss']).reshape(-1)[0])
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
 
     def _chain(self, run):
@@ -923,7 +1069,8 @@ class CoreMLEngine(Engine):
         blocks, each recomputing its forward from its input: 2L + 1 calls of three programs."""
         L = self.cfg.n_layer
         for l in range(L):
-            np.copyto(self.xs[l + 1], run('block_forward', {'x': self.xs[l]} | self.blocks[l])['y'])
+            y = run('block_forward', {'x': self.xs[l]} | self.blocks[l])['y']
+            np.copyto(self.xs[l + 1], y)
         out = run('head', {'x': self.xs[L]} | self.head)
         np.copyto(self.dy, out.pop('d_x'))
         for l in reversed(range(L)):
@@ -951,7 +1098,8 @@ class AneSpec:
 
 def programs_path(cfg, run):
     """The folder of the ANE's programs: --ane_programs, or one in out_dir named by their shape."""
-    return cfg.ane_programs or os.path.join(cfg.out_dir, f'ane_B{run.ane_batch}_T{cfg.block_size}')
+    name = f'ane_B{run.ane_batch}_T{cfg.block_size}'
+    return cfg.ane_programs or os.path.join(cfg.out_dir, name)
 
 
 def export_programs(cfg, run, log=print):
@@ -1280,6 +1428,8 @@ class HeteroStep:
             grads[k] = total
         grads, n, loss = distributed.sum_over_ranks(grads, n, loss, self.params)
         if n == 0:  # no usable share on any rank
+            for p in self.params.values():
+                p.grad = None
             return 0, math.nan, math.nan
         for k, p in self.params.items():
             p.grad = grads[k] / n

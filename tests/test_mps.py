@@ -124,7 +124,7 @@ def test_the_gpu_engine_on_mps_gets_the_batch_it_was_given(tmp_path):
     step = hg.HeteroStep(model, {'gpu': hg.AutogradEngine(model, torch.device('cpu'), torch.float32)}, hg.Split(3, 0),
                          optimizer=hg.make_optimizer(model, cfg))
     ref = step([(x.contiguous(), y.contiguous()) for x, y in got['batches']])
-    assert abs(got['loss'] - ref['loss']) <= 1e-6 * ref['loss']  # fp32: the mean of 3 losses of ~5
+    assert abs(got['loss'] - ref.loss) <= 1e-6 * ref.loss  # fp32: the mean of 3 losses of ~5
     assert gradcheck.check(got['grads'], {k: p.grad for k, p in model.named_parameters()}, torch.float32) == ''
     step.update(ref)
     assert got['fused'] == [True, True]

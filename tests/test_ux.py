@@ -20,10 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOUBLE = os.path.join(ROOT, 'tests', 'macos_double')
 
 
-def start(args, cwd, mac=False):
+def start(args, cwd, mac=False, **switches):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(([DOUBLE] if mac else []) + [ROOT]))
     if mac:
-        env |= dict(HETERO_MACOS_DOUBLE='1', MACOS_DOUBLE_LOG=str(cwd))
+        env |= dict(HETERO_MACOS_DOUBLE='1', MACOS_DOUBLE_LOG=str(cwd)) | switches
     return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
@@ -90,6 +90,37 @@ def test_ctrl_c_mid_training_saves_returns_at_once_and_exits_130(data_dir, tmp_p
     lines = [line for line in (said + out + err).splitlines() if 'interrupted' in line]
     assert len(lines) == 1 and lines[0].startswith('interrupted: saved step ') and 'continue with --resume' in lines[0]
     assert torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)['iter_num'] >= 3
+    no_children(proc)
+    assert left_behind(before) == set()
+
+
+@pytest.mark.slow  # a step of 32 s
+@pytest.mark.skipif(not os.path.isdir('/proc/self'), reason="finds shared memory in use in /proc")
+@pytest.mark.parametrize('sig, code', [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_in_a_long_gpu_step_returns_within_seconds(data_dir, tmp_path, sig, code):
+    # under the double's MPS each backward pass queues 4 s of GPU work, so a step of 8
+    # microbatches takes 32 s. A signal 2 s into step 2 stops the engine after its microbatch:
+    # one line, step 1's checkpoint, the signal's exit code, within 15 s of the 30 s left.
+    # A second Ctrl-C a second later changes none of that; nothing is left running.
+    before = shm()
+    flags = helpers.flags(data_dir, tmp_path / 'out', max_iters=100, mode='gpu', device='mps',
+                          batch_size=1, gradient_accumulation_steps=8, log_interval=1, quiet=None)
+    proc = start([os.path.join(ROOT, 'hetero_gpt.py'), *flags], tmp_path, mac=True,
+                 MACOS_DOUBLE_MPS_SLOW='4')
+    until(proc, 'step 1/')
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, sig)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)  # a second one, impatient
+    out, err = proc.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == code, err[-3000:]
+    assert took < 15, took
+    assert 'Traceback' not in err and 'terminate called' not in err, err[-3000:]
+    lines = [line for line in (out + err).splitlines() if 'interrupted' in line]
+    assert len(lines) == 1 and lines[0].startswith('interrupted: saved step 1 '), out + err
+    assert torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)['iter_num'] == 1
     no_children(proc)
     assert left_behind(before) == set()
 
