@@ -25,6 +25,7 @@ import dataclasses
 import math
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -1285,11 +1286,18 @@ class Share:
         return Share(self.loss + other.loss, grads, self.n + other.n, self.seconds + other.seconds)
 
 
-def sum_grads(engine, microbatches):
-    """Forward and backward of each microbatch: (summed loss, summed gradients)."""
+class Interrupted(Exception):
+    """An engine's share, stopped between microbatches by Ctrl-C."""
+
+
+def sum_grads(engine, microbatches, stop=None):
+    """Forward and backward of each microbatch: (summed loss, summed gradients).
+    stop: an Event that ends the share before its next microbatch."""
     loss = 0.0
     grads = None
     for idx, targets in microbatches:
+        if stop is not None and stop.is_set():
+            raise Interrupted
         l, g = engine.loss_and_grads(idx, targets)
         loss = loss + l.float()
         if grads is None:
@@ -1300,11 +1308,11 @@ def sum_grads(engine, microbatches):
     return loss, grads
 
 
-def run_engine(engine, microbatches, timed):
+def run_engine(engine, microbatches, timed, stop=None):
     """Thread body: one engine's share. timed: it waits for its device, so that its seconds
     are its own (for the split). The other engine works meanwhile, so the wait costs nothing."""
     t0 = time.perf_counter()
-    loss, grads = sum_grads(engine, microbatches)
+    loss, grads = sum_grads(engine, microbatches, stop)
     if timed:
         loss = loss.cpu()  # waits for the device
     return Share(loss, grads, len(microbatches), time.perf_counter() - t0)
@@ -1348,9 +1356,18 @@ class HeteroStep:
         self.dropped = {name: 0 for name in engines}  # steps an engine's share was left out
         self.skipped = 0  # steps without an update
         self.inputs = None  # this step's microbatches, kept until its one wait
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix='reader')  # waits for the device
+        self.stop = threading.Event()  # set by Ctrl-C: the engines stop between microbatches
 
     def __call__(self, microbatches):
         """Forward and backward on both engines; the mean gradient into p.grad."""
+        try:
+            return self.one_step(microbatches)
+        except KeyboardInterrupt:  # each engine stops after its microbatch
+            self.stop.set()
+            raise
+
+    def one_step(self, microbatches):
         k = self.split.next_share(self.alive)
         # the GPU engine's copies read these host tensors until the wait below
         self.inputs = [(x.contiguous(), y.contiguous()) for x, y in microbatches]
@@ -1380,7 +1397,8 @@ class HeteroStep:
         timed = len(self.alive) == 2
         futures = {}
         for name, mbs in todo.items():  # on a Mac only the GPU engine queues MPS work
-            futures[name] = self.threads[name].submit(run_engine, self.engines[name], mbs, timed)
+            engine = self.engines[name]
+            futures[name] = self.threads[name].submit(run_engine, engine, mbs, timed, self.stop)
         shares = {}
         errors = {}
         for name, future in futures.items():
@@ -1434,12 +1452,19 @@ class HeteroStep:
         for k, p in self.params.items():
             p.grad = grads[k] / n
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.params.values()])
-        norm, loss = torch.stack([norm.float(), loss.float() / n]).tolist()  # the one wait
+        norm, loss = self.read(torch.stack([norm.float(), loss.float() / n]))  # the one wait
         return n, loss, norm
+
+    def read(self, values):
+        """values on the host. The reader thread waits for the device: a wait for MPS or CUDA
+        is deaf to signals, and the main thread stays free for Ctrl-C."""
+        return self.reader.submit(values.tolist).result()
 
     def finite(self, share):
         """Whether a share's loss and gradients are all finite (a wait for its device)."""
-        return math.isfinite(share.loss) and grads_finite(share.grads)
+        flags = [share.loss.isfinite().to(self.device)]
+        flags += [g.isfinite().all().to(self.device) for g in share.grads.values()]
+        return self.read(torch.stack(flags).all())
 
     def update(self, result, grad_clip=0.0):
         """One AdamW step from the mean gradient, its norm clipped to grad_clip if > 0."""
@@ -1452,9 +1477,10 @@ class HeteroStep:
         return result
 
     def close(self):
-        """Ends the engines' threads (a step in flight finishes first)."""
-        for pool in self.threads.values():
-            pool.shutdown(wait=True)
+        """Ends the step's threads once they are idle. One still busy after Ctrl-C stops after
+        its microbatch, and the process does not wait for it (progress.exit_now_if_busy)."""
+        for pool in [*self.threads.values(), self.reader]:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 # -----------------------------------------------------------------------------
