@@ -3,6 +3,7 @@ Energy meters for HeteroEngine: joules() is the energy used so far (None where n
 readable). hetero_gpt.py logs joules per token with them; bench.py compares modes.
 powermetrics on macOS (coreml_and_ane.md section 6), NVML on NVIDIA GPUs, RAPL on Linux CPUs.
 """
+import atexit
 import os
 import re
 import subprocess
@@ -145,6 +146,7 @@ class PowermetricsMeter:
         self.reader = threading.Thread(target=read_samples, daemon=True,
                                        args=(self.proc.stdout, self.parts, first.set))
         self.reader.start()
+        atexit.register(self.close)  # (if nobody closes it: sudo and powermetrics end with us)
         try:
             self._wait_for_power(first, wait_s)
         except BaseException:  # a refusal, a timeout, Ctrl-C: nothing left running
@@ -168,6 +170,7 @@ class PowermetricsMeter:
 
     def close(self):
         """Ends sudo and powermetrics, reaps them, and joins the reader (at the pipe's end)."""
+        atexit.unregister(self.close)
         stop_powermetrics(self.proc)
         self.reader.join(5)  # EOF once powermetrics is gone
         if not self.reader.is_alive():  # (closing under a blocked reader would block)

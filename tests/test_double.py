@@ -199,6 +199,19 @@ def test_close_leaves_no_thread_or_process(tmp_path, monkeypatch):
             os.kill(pid, signal.SIGTERM)
 
 
+def test_a_meter_nobody_closes_ends_with_its_process(tmp_path):
+    # a process that ends with its meter open (an exception before its close) leaves no
+    # powermetrics running: here the next sample is due 3.6 s after the first (-i 3000, 20%
+    # more), long after this process has ended
+    code = "from plumbing import energy; energy.PowermetricsMeter(interval_ms=3000)"
+    r = subprocess.run([sys.executable, '-c', code], env=double_env(tmp_path, sudo=1), capture_output=True,
+                       text=True, timeout=300)
+    left = running_powermetrics(tmp_path)
+    for pid in left:
+        os.kill(pid, signal.SIGTERM)
+    assert r.returncode == 0 and not left, r.stderr[-2000:]
+
+
 def test_nvml_and_rapl_meters_hold_no_thread_and_nvml_shuts_down(tmp_path, monkeypatch):
     # NVML: one nvmlShutdown for each nvmlInit, after a meter closes and after one fails to
     # start (no such device); RAPL reads files. Neither starts a thread
