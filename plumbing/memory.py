@@ -22,7 +22,8 @@ def total_memory():
     (or where sysctl cannot answer) the physical pages times the page size."""
     if ON_MAC:
         try:
-            out = subprocess.run(['sysctl', '-n', 'hw.memsize'], capture_output=True, text=True, timeout=10)
+            out = subprocess.run(['sysctl', '-n', 'hw.memsize'], capture_output=True, text=True,
+                                 timeout=10)
             return int(out.stdout)
         except (OSError, ValueError, subprocess.TimeoutExpired):
             pass

@@ -70,19 +70,22 @@ def test_a_sudo_v_ticket_is_the_terminals(tmp_path):
     # in a process group of its own; a new session has no terminal and finds no ticket; nor
     # does another terminal; without a terminal no password can be asked
     env = double_env(tmp_path)
-    python = f'{sys.executable} -c "import os, sys; os.{{}}; os.execvp(\'sudo\', [\'sudo\', \'-n\', \'true\'])"'
+    sudo_n = "os.execvp('sudo', ['sudo', '-n', 'true'])"
+    python = f'{sys.executable} -c "import os; os.{{}}; {sudo_n}"'
     rc, shown = in_terminal('sudo -n true; echo "before $?"; sudo -v; echo "v $?"; '
                             'sudo -n true </dev/null; echo "after $?"; '
                             f'{python.format("setpgid(0, 0)")} </dev/null; echo "own group $?"; '
                             f'{python.format("setsid()")} </dev/null; echo "new session $?"', env)
-    assert shown.splitlines() == ['sudo: a password is required', 'before 1', 'Password:', 'v 0', 'after 0',
-                                  'own group 0', 'sudo: a password is required', 'new session 1'], shown
+    refused = 'sudo: a password is required'
+    assert shown.splitlines() == [refused, 'before 1', 'Password:', 'v 0', 'after 0', 'own group 0',
+                                  refused, 'new session 1'], shown
     assert rc == 0 and len(os.listdir(tmp_path / 'ts')) == 1
     rc, shown = in_terminal('sudo -n true', env)  # another terminal
     assert rc == 1 and 'sudo: a password is required' in shown
-    r = subprocess.run(['sudo', '-v'], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                       start_new_session=True)
-    assert r.returncode == 1 and r.stderr.startswith('sudo: a terminal is required to read the password')
+    r = subprocess.run(['sudo', '-v'], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                       text=True, start_new_session=True)
+    assert r.returncode == 1
+    assert r.stderr.startswith('sudo: a terminal is required to read the password')
 
 
 # The probe and the meter, in a process of the double's Mac on the terminal: [probe, meter]
@@ -111,7 +114,8 @@ def test_sudo_v_gives_the_meter_its_samples(tmp_path):
     probe, parts = json.loads(shown.splitlines()[-1])
     assert rc == 0 and probe == [True, ''], shown
     assert isinstance(parts, dict) and parts['CPU'] > 0, shown
-    assert parts['GPU'] / parts['CPU'] == pytest.approx(3.0, rel=1e-12)  # (same sample times: rounding)
+    # 9 W and 3 W over the same samples' times: equal but for rounding
+    assert parts['GPU'] / parts['CPU'] == pytest.approx(3.0, rel=1e-12)
     assert not running_powermetrics(tmp_path)
     rc, shown = in_terminal(f"{sys.executable} -c '{code}' </dev/null", env)
     probe, meter = json.loads(shown.splitlines()[-1])
@@ -141,8 +145,8 @@ def test_the_doubles_sudo_relays_by_the_rule_it_is_given(rule, tmp_path):
     # drops it (its ppgrp is ours) and lives on; 1.9.13 relays it (our group is led by neither
     # sudo nor the command). Either relays a SIGTERM from a process in another group
     env = double_env(tmp_path, sudo=1, sudo_relay=rule)
-    sudo = subprocess.Popen(['sudo', '-n', 'powermetrics', '-i', '50'], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL)
+    sudo = subprocess.Popen(['sudo', '-n', 'powermetrics', '-i', '50'], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while not running_powermetrics(tmp_path) and time.monotonic() < deadline:
@@ -178,7 +182,8 @@ def test_close_leaves_no_thread_or_process(tmp_path, monkeypatch):
     assert len(m.meters) == 1 and len(threading.enumerate()) == len(before) + 1  # (the reader)
     proc = m.meters[0].proc
     m.close()
-    assert set(threading.enumerate()) <= before and proc.returncode is not None and not running_powermetrics(tmp_path)
+    assert set(threading.enumerate()) <= before and proc.returncode is not None
+    assert not running_powermetrics(tmp_path)
 
     class Interrupted(BaseException):
         pass
@@ -204,8 +209,8 @@ def test_a_meter_nobody_closes_ends_with_its_process(tmp_path):
     # powermetrics running: here the next sample is due 3.6 s after the first (-i 3000, 20%
     # more), long after this process has ended
     code = "from plumbing import energy; energy.PowermetricsMeter(interval_ms=3000)"
-    r = subprocess.run([sys.executable, '-c', code], env=double_env(tmp_path, sudo=1), capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([sys.executable, '-c', code], env=double_env(tmp_path, sudo=1),
+                       capture_output=True, text=True, timeout=300)
     left = running_powermetrics(tmp_path)
     for pid in left:
         os.kill(pid, signal.SIGTERM)
@@ -275,17 +280,20 @@ MEMORY = """
 import json, os, subprocess, types, torch
 from plumbing import memory
 C, L, V, T = 768, 12, 50257, 1024
-P = V * C + T * C + L * (2 * C + C * 3 * C + 3 * C + C * C + C + 2 * C + C * 4 * C + 4 * C + 4 * C * C + C) + 2 * C
-cfg = types.SimpleNamespace(n_embd=C, n_layer=L, n_head=12, vocab_size=V, batch_size=2, block_size=T)
-run = types.SimpleNamespace(mode='hetero', device=torch.device('mps'), dtype=torch.float32, ane_batch=2)
+block = 2 * C + C * 3 * C + 3 * C + C * C + C + 2 * C + C * 4 * C + 4 * C + 4 * C * C + C
+P = V * C + T * C + L * block + 2 * C
+cfg = types.SimpleNamespace(n_embd=C, n_layer=L, n_head=12, vocab_size=V, batch_size=2,
+                            block_size=T)
+run = types.SimpleNamespace(mode='hetero', device=torch.device('mps'), dtype=torch.float32,
+                            ane_batch=2)
 said = []
 try:
     memory.preflight(cfg, run, (P, 4 * 12608), log=said.append)
 except memory.UserError as e:
     said.append(str(e))
-print(json.dumps(dict(sysctl=subprocess.run(['sysctl', '-n', 'hw.memsize'], capture_output=True, text=True).stdout,
-                      sysconf=os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'),
-                      total=memory.total_memory(), said=said)))
+sysctl = subprocess.run(['sysctl', '-n', 'hw.memsize'], capture_output=True, text=True).stdout
+pages = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+print(json.dumps(dict(sysctl=sysctl, sysconf=pages, total=memory.total_memory(), said=said)))
 """
 
 
@@ -293,14 +301,15 @@ print(json.dumps(dict(sysctl=subprocess.run(['sysctl', '-n', 'hw.memsize'], capt
 def test_a_16_gb_mac_is_one_switch(gib, tmp_path):
     # MACOS_DOUBLE_MEMORY: what sysctl's hw.memsize and os.sysconf's pages both say, and what
     # the project reads; the preflight warns on 16 GiB (~72%) and refuses on 8 (past 90%)
-    r = subprocess.run([sys.executable, '-c', MEMORY], env=double_env(tmp_path, memory=gib), capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([sys.executable, '-c', MEMORY], env=double_env(tmp_path, memory=gib),
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.splitlines()[-1])
     assert int(got['sysctl']) == got['sysconf'] == got['total'] == gib * GIB
     assert len(got['said']) == 1
     if gib == 16:
-        assert got['said'][0].startswith('warning: this run needs ~11.') and 'GiB of 16.0 GiB' in got['said'][0]
+        assert got['said'][0].startswith('warning: this run needs ~11.')
+        assert 'GiB of 16.0 GiB' in got['said'][0]
     else:
         assert "of this machine's 8.0 GiB" in got['said'][0]
 
@@ -333,7 +342,8 @@ class Hiding(importlib.machinery.PathFinder):
 if hide:
     sys.meta_path[sys.meta_path.index(importlib.machinery.PathFinder)] = Hiding
 sys.path.insert(0, sys.argv[2])
-spec = importlib.util.spec_from_file_location('sitecustomize', os.path.join(sys.argv[2], 'sitecustomize.py'))
+site = os.path.join(sys.argv[2], 'sitecustomize.py')
+spec = importlib.util.spec_from_file_location('sitecustomize', site)
 spec.loader.exec_module(importlib.util.module_from_spec(spec))
 import ctypes.util
 found = {n: ctypes.util.find_library(n) for n in ('c', 'double_test', 'Double')}
@@ -352,8 +362,9 @@ def without_macholib(tmp_path, hide, dynamo=False):
     (framework / 'Double').write_bytes(b'')
     env = dict(os.environ, HETERO_MACOS_DOUBLE='1', PYTHONPATH=ROOT, DYLD_LIBRARY_PATH=str(lib),
                DYLD_FRAMEWORK_PATH=str(tmp_path / 'Frameworks'))
-    r = subprocess.run([sys.executable, '-c', WITHOUT_MACHOLIB, 'hide' if hide else 'keep', DOUBLE,
-                        'dynamo' if dynamo else '-'], env=env, capture_output=True, text=True, timeout=600)
+    args = ['hide' if hide else 'keep', DOUBLE, 'dynamo' if dynamo else '-']
+    r = subprocess.run([sys.executable, '-c', WITHOUT_MACHOLIB, *args], env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.splitlines()[-1]), lib, framework
 
