@@ -52,14 +52,25 @@ def gpt2_programs(tmp_path_factory):
     return out
 
 
+# M1's matmul flushes fp16 subnormals, below 2^-14 (programs.ane_switches; ane-guide). At
+# GPT-2's shapes the programs lose gradients to it. The head's d logits, p * 256 / N with
+# p ~ 1/50257 and N = 1024, are ~5e-6: subnormal, flushed (ln_f's weight: cosine 0.991).
+# In the block, the key bias's gradient, exactly 0, comes out at 25% of the query bias's.
+# With subnormals kept (as M5) both pass.
+M1_FLUSH = pytest.param('matmul', marks=pytest.mark.xfail(
+    strict=True, reason="gradients below fp16's normal range: M1's matmul flushes them"))
+
+
 @pytest.mark.slow
-def test_block_programs_at_gpt2_124m_shapes(gpt2_programs):
+@pytest.mark.parametrize('subnormals', ['keep', M1_FLUSH])
+def test_block_programs_at_gpt2_124m_shapes(subnormals, gpt2_programs, monkeypatch):
     # One block of GPT-2 124M at 4x1024 tokens, both programs in the ANE mode (its tables
     # inexact, programs.LUT_ERROR: 2^-10, about fp16's own rounding), against fp64
     # autograd on the same fp16-representable inputs: the forward's y and every gradient of
     # the backward (which recomputes the forward) by direction, cosine >= 0.999 (fp16
     # compares by direction, as test_grads.py). x: residual-stream values (RMS ~3); dy: a
     # gradient as the loss scale 256 leaves it, about scale / N per element.
+    monkeypatch.setenv('MACOS_DOUBLE_ANE_SUBNORMALS', subnormals)
     cfg, B, T = hg.GPTConfig(n_layer=1), settings.ANE_BATCH, 1024
     N, C = B * T, cfg.n_embd
     torch.manual_seed(0)
@@ -90,13 +101,15 @@ def test_block_programs_at_gpt2_124m_shapes(gpt2_programs):
 
 
 @pytest.mark.slow
-def test_head_program_at_the_real_vocabulary(gpt2_programs):
+@pytest.mark.parametrize('subnormals', ['keep', M1_FLUSH])
+def test_head_program_at_the_real_vocabulary(subnormals, gpt2_programs, monkeypatch):
     # The final layernorm, the tied LM head over 50257 tokens (four chunks) and the loss, forward
     # and backward, at 1x1024 tokens in the ANE mode, against fp64 autograd: the loss (an fp16
     # output near 11, spacing 2^-7) within two fp16 spacings (the log table's error, 2^-10 of
     # each row's ~11, takes either sign row by row: the mean over 1024 rows keeps ~1/32 of it);
     # d x, d ln_f and the embedding's
     # gradient (the chunks' rows plus the target rows, as host_grads adds them) by cosine >= 0.999.
+    monkeypatch.setenv('MACOS_DOUBLE_ANE_SUBNORMALS', subnormals)
     cfg, N = hg.GPTConfig(n_layer=1), 1024
     torch.manual_seed(0)
     model = hg.GPT(cfg)
