@@ -180,10 +180,10 @@ def test_a_rerun_stopped_early_keeps_every_finished_verdict(tmp_path):
 def run_stages(tmp_path, second):
     """check_stages.py's check (three stand-in stages), its second stage `second`, in a session of
     its own: (process, what it said until its second stage started)."""
+    env = dict(os.environ, CHECK_STAGES_SECOND=second, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')]))
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'check_stages.py'), str(tmp_path / 'c.json')],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, CHECK_STAGES_SECOND=second, PYTHONPATH=os.pathsep.join(
-                                [ROOT, os.path.join(ROOT, 'tests')])))
+                            start_new_session=True, env=env)
     said = ''
     while 'stage second' not in said:
         line = proc.stdout.readline()
@@ -236,8 +236,10 @@ def test_sigterm_in_each_stage_leaves_nothing_running(tmp_path, exported):
     from test_macos import programs_in
     from test_ux import left_behind, shm
     out = programs_in(tmp_path, exported, CHECK_CFG, B=2, T=32)
-    env = dict(os.environ, HETERO_MACOS_DOUBLE='1', PYTHONPATH=os.pathsep.join([os.path.join(ROOT, 'tests', 'macos_double'), ROOT]),
-               MACOS_DOUBLE_LOAD_SECONDS='5', MACOS_DOUBLE_MPS_SLOW='2', MACOS_DOUBLE_SUDO='1', MACOS_DOUBLE_LOG=str(tmp_path))
+    double = os.path.join(ROOT, 'tests', 'macos_double')
+    env = dict(os.environ, HETERO_MACOS_DOUBLE='1', PYTHONPATH=os.pathsep.join([double, ROOT]),
+               MACOS_DOUBLE_LOAD_SECONDS='5', MACOS_DOUBLE_MPS_SLOW='2', MACOS_DOUBLE_SUDO='1',
+               MACOS_DOUBLE_LOG=str(tmp_path))
     for name, _, _ in ane_check.STAGES:
         before = shm()
         report = tmp_path / f'{name}.json'
@@ -265,8 +267,8 @@ def test_sigterm_in_each_stage_leaves_nothing_running(tmp_path, exported):
 
 def test_the_gradients_stage_judges_the_loss(exported, monkeypatch):
     # the chained programs' loss (fp16, NumPy's ANE mode here) against fp64 autograd's: within
-    # 1e-2 relative (it is a mean of B*T cross-entropies, each an fp16 log-sum-exp of ~10 with
-    # errors of a few 4.9e-4 ulps that mostly cancel in the mean); a loss output x1.1 fails
+    # 1e-2 relative (a mean of B*T cross-entropies, each an fp16 log-sum-exp with errors of a few
+    # 4.9e-4 ulps that mostly cancel in the mean; 4e-4 measured here); a loss output x1.1 fails
     import helpers
     cfg = helpers.PROGRAMS['cfg']
     ctx = dict(cfg=dict(cfg.__dict__), B=2, T=8, out=exported(**helpers.PROGRAMS), gpu_batch=4, results={})
@@ -297,8 +299,9 @@ def test_a_fallback_the_compute_plan_hides_is_a_warning(tmp_path, exported):
         assert all(v['placement']['ane_share_of_ops'] == 1.0 for v in rec['result'].values()), rec
         verdicts[fallback] = ane_check.verdict_of(rec)
     assert verdicts['0'][0] == 'pass', verdicts
-    assert verdicts['hidden'][0] == 'warn' and ('block_forward, head, block_backward not clearly faster on the '
-                                                'ANE than on the CPU' in verdicts['hidden'][1]), verdicts
+    # (3 timed calls each on a shared machine: some program, not necessarily each, shows it)
+    assert verdicts['hidden'][0] == 'warn' and 'not clearly faster on the ANE than on the CPU (at least 0.8x)' in \
+        verdicts['hidden'][1], verdicts
 
 
 CAUSAL = """
