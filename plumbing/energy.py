@@ -3,9 +3,11 @@ Energy meters for HeteroEngine: joules() is the energy used so far (None where n
 readable). hetero_gpt.py logs joules per token with them; bench.py compares modes.
 powermetrics on macOS (coreml_and_ane.md section 6), NVML on NVIDIA GPUs, RAPL on Linux CPUs.
 """
+import atexit
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -23,16 +25,26 @@ class NvmlMeter:
         if self.lib.nvmlInit_v2() != 0:
             raise OSError("nvmlInit failed")
         self.handle = ctypes.c_void_p()
-        if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0:
-            raise OSError(f"no NVML device {index}")
-        self.name = f"NVML (GPU {index})"
-        self.joules()
+        try:
+            if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0:
+                raise OSError(f"no NVML device {index}")
+            self.name = f"NVML (GPU {index})"
+            self.joules()
+        except BaseException:
+            self.close()
+            raise
 
     def joules(self):
         mj = self.ct.c_ulonglong()
         if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, self.ct.byref(mj)) != 0:
             raise OSError("NVML energy counter unsupported")
         return mj.value / 1000.0
+
+    def close(self):
+        """nvmlShutdown, once for each nvmlInit (NVML counts them)."""
+        if self.handle is not None:
+            self.handle = None
+            self.lib.nvmlShutdown()
 
 
 class RaplMeter:
@@ -64,19 +76,53 @@ class RaplMeter:
 
 
 POWERMETRICS = ['sudo', '-n', 'powermetrics', '--samplers', 'cpu_power,gpu_power,ane_power']
+# sudo in a process group of its own, in this session and terminal: a sudo -v ticket is the
+# terminal's, and sudo relays signals from our group (coreml_and_ane.md section 6)
+OWN_GROUP = dict(process_group=0) if sys.version_info >= (3, 11) else dict(preexec_fn=os.setpgrp)
+
+
+def start_powermetrics(interval_ms, stdout, stderr, count=None):
+    """sudo -n powermetrics, as the meter and its probe both start it. -b 1: line-buffered,
+    or a pipe would hold samples back. stdin: not the terminal, which sudo's pty relays."""
+    args = POWERMETRICS + ['-i', str(interval_ms), '-b', '1']
+    if count:
+        args += ['-n', str(count)]
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True,
+                            **OWN_GROUP)
+
+
+def stop_powermetrics(proc):
+    """SIGTERM to sudo, which relays it to powermetrics; SIGKILL would leave root's running."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def first_line(text, proc):
+    return (text.strip().splitlines() or [f'exit code {proc.returncode}'])[0]
 
 
 def powermetrics_readable():
     """(True, '') if powermetrics runs here through sudo -n, else (False, why): one sample,
-    asked before anything is measured. Most Macs have no NOPASSWD rule, and sudo's
-    timestamp lapses after 5 minutes (coreml_and_ane.md section 6)."""
+    asked before anything is measured, started as the meter starts it. Most Macs have no
+    NOPASSWD rule, and sudo's ticket lapses after 5 minutes (coreml_and_ane.md section 6)."""
     try:
-        r = subprocess.run(POWERMETRICS + ['-n', '1', '-i', '100'], stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        proc = start_powermetrics(100, subprocess.PIPE, subprocess.PIPE, count=1)
+    except OSError as e:
         return False, str(e)
-    why = (r.stderr.strip().splitlines() or [f'exit code {r.returncode}'])[0]
-    return (True, '') if r.returncode == 0 else (False, why)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        return False, 'powermetrics gave no sample within 30 s'
+    finally:
+        stop_powermetrics(proc)  # (a no-op once it has ended)
+        proc.stdout.close()
+        proc.stderr.close()
+    return (True, '') if proc.returncode == 0 else (False, first_line(err, proc))
 
 
 class PowermetricsMeter:
@@ -92,45 +138,43 @@ class PowermetricsMeter:
     def __init__(self, interval_ms=200, wait_s=10.0):
         if PowermetricsMeter.refused:
             raise OSError(f"powermetrics gave no samples ({PowermetricsMeter.refused})")
-        # -b 1: line-buffered, or a pipe would hold many samples back
         self.err = tempfile.TemporaryFile('w+')  # (a pipe nobody reads could fill and stop it)
-        # stdin: not the terminal, which sudo's pty would relay to powermetrics. A process group of
-        # its own (setsid): sudo forwards no signal sent from the group it started in (sudo's
-        # src/exec_nopty.c, signal_cb_nopty), so close()'s SIGTERM would not reach powermetrics from ours
-        self.proc = subprocess.Popen(POWERMETRICS + ['-i', str(interval_ms), '-b', '1'], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True, start_new_session=True)
+        self.proc = start_powermetrics(interval_ms, subprocess.PIPE, self.err)
         self.name = "powermetrics (CPU+GPU+ANE)"
         self.parts = dict(CPU=0.0, GPU=0.0, ANE=0.0)  # joules of each so far
         first = threading.Event()
-        self.reader = threading.Thread(target=read_samples, args=(self.proc.stdout, self.parts, first.set), daemon=True)
+        self.reader = threading.Thread(target=read_samples, daemon=True,
+                                       args=(self.proc.stdout, self.parts, first.set))
         self.reader.start()
+        atexit.register(self.close)  # (if nobody closes it: sudo and powermetrics end with us)
+        try:
+            self._wait_for_power(first, wait_s)
+        except BaseException:  # a refusal, a timeout, Ctrl-C: nothing left running
+            self.close()
+            raise
+
+    def _wait_for_power(self, first, wait_s):
         deadline = time.monotonic() + wait_s
         while not first.wait(0.1):
             if self.proc.poll() is not None:
                 self.err.seek(0)
-                why = (self.err.read().strip().splitlines() or [f'exit code {self.proc.returncode}'])[0]
-                self.close()
+                why = first_line(self.err.read(), self.proc)
                 if why.startswith('sudo:'):
                     PowermetricsMeter.refused = why
                 raise OSError(f"powermetrics gave no samples ({why})")
             if time.monotonic() > deadline:
-                self.close()
                 raise OSError(f"powermetrics printed no power lines within {wait_s:.0f} s")
 
     def joules(self):
         return sum(self.parts.values())
 
     def close(self):
-        """SIGTERM: sudo passes it on to powermetrics (a SIGKILL would leave root's running)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.reader.join(2)  # to the pipe's end, before it is closed under the reader
-        self.proc.stdout.close()
+        """Ends sudo and powermetrics, reaps them, and joins the reader (at the pipe's end)."""
+        atexit.unregister(self.close)
+        stop_powermetrics(self.proc)
+        self.reader.join(5)  # EOF once powermetrics is gone
+        if not self.reader.is_alive():  # (closing under a blocked reader would block)
+            self.proc.stdout.close()
         self.err.close()
 
 
@@ -164,17 +208,28 @@ class EnergyMeter:
             kinds.append(lambda i=i: NvmlMeter(i))
         if any(d.type == 'cpu' for d in devices) and not ON_MAC:
             kinds.append(RaplMeter)
-        for make in kinds:
-            try:
-                self.meters.append(make())
-            except Exception as e:
-                self.missing.append(f"{getattr(make, '__name__', 'NVML')}: {e}")
+        try:
+            for make in kinds:
+                try:
+                    self.meters.append(make())
+                except Exception as e:
+                    self.missing.append(f"{getattr(make, '__name__', 'NVML')}: {e}")
+        except BaseException:  # Ctrl-C while a meter starts: close those made
+            self.close()
+            raise
         self.name = ' + '.join(m.name for m in self.meters) or 'none'
 
     def joules(self):
         return sum(m.joules() for m in self.meters) if self.meters else None
 
     def close(self):
-        for m in self.meters:
-            if hasattr(m, 'close'):
-                m.close()
+        """Ends every thread and process the meters started: each meter's close, even if one
+        before it fails. Only powermetrics has any (sudo, powermetrics, the reader)."""
+        try:
+            while self.meters:
+                m = self.meters.pop()
+                if hasattr(m, 'close'):
+                    m.close()
+        finally:
+            if self.meters:  # one raised: close the rest
+                self.close()

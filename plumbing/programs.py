@@ -445,9 +445,48 @@ def load_coreml_program(path):
 
 
 # The ANE's functions by lookup table (coreml_and_ane.md section 2): the relative error each
-# carries in numpy_predict's ANE mode. Published: about half an fp16 ulp (2^-12) for the
-# activation tables; none per function. Imitated at one ulp, 2^-10, twice that.
+# carries in numpy_predict's ANE mode. Published: about half an fp16 ulp (2^-11 at 1) for the
+# activation tables; none per function. Imitated at 2^-10, twice that.
 LUT_ERROR = dict.fromkeys(('exp', 'log', 'tanh', 'rsqrt', 'softmax'), 2.0 ** -10)
+
+# The ANE mode's other numerics, environment variables (the macOS double's switches), from
+# ane-guide part 1 chapter 3, measured on M1 (coreml_and_ane.md section 2):
+#   MACOS_DOUBLE_ANE_LUT         knots: a piecewise-linear table's error, smooth between knots,
+#                                as M1's 33-knot tables (default); hash: hashed from each input
+#   MACOS_DOUBLE_ANE_LUT_BIAS    b: every table off by b, one sign (default 0: size unknown)
+#   MACOS_DOUBLE_ANE_SUBNORMALS  matmul: matmul flushes them to +0, as M1 (default)
+#                                keep: as M5; all: every op flushes them
+#   MACOS_DOUBLE_ANE_NAN         engine: a NaN input is +inf, a NaN result +0, as M1 (default)
+#                                ieee: NaN stays NaN
+ANE_SWITCHES = {'MACOS_DOUBLE_ANE_LUT': ('knots', 'hash'),
+                'MACOS_DOUBLE_ANE_SUBNORMALS': ('matmul', 'keep', 'all'),
+                'MACOS_DOUBLE_ANE_NAN': ('engine', 'ieee')}
+FP16_TINY = 2.0 ** -14  # the smallest normal fp16: below it, subnormals
+
+# Where each table's 33 knots are evenly spaced (ane-guide: 32 linear segments a table):
+# exp and softmax's exp on 2^x's mantissa, log and rsqrt on log2 |x|, a binade in 32 segments;
+# tanh on x itself, about [-4, 4], a segment 1/4 wide.
+LUT_KNOT_SPACING = {'exp': 1 / 32, 'softmax': 1 / 32, 'log': 1 / 32, 'rsqrt': 1 / 32, 'tanh': 1 / 4}
+# The chord's side of the curve: above a convex table (exp, rsqrt), below a concave one
+LUT_CURVE = {'exp': 1, 'softmax': 1, 'rsqrt': 1, 'log': -1, 'tanh': -1}
+# Both origin biases ane-guide measured (gelu, swish) are negative
+LUT_BIAS_SIGN = -1
+
+
+def ane_switches():
+    """{variable: value} of the ANE mode's switches, from the environment; UserError if bad."""
+    out = {k: os.environ.get(k, v[0]) for k, v in ANE_SWITCHES.items()}
+    for k, v in out.items():
+        if v not in ANE_SWITCHES[k]:
+            raise UserError(f"{k}={v}: it takes {', '.join(ANE_SWITCHES[k])}")
+    bias = os.environ.get('MACOS_DOUBLE_ANE_LUT_BIAS', '0')
+    try:
+        out['MACOS_DOUBLE_ANE_LUT_BIAS'] = float(bias)
+    except ValueError:
+        out['MACOS_DOUBLE_ANE_LUT_BIAS'] = -1.0
+    if not 0 <= out['MACOS_DOUBLE_ANE_LUT_BIAS'] < 1:
+        raise UserError(f"MACOS_DOUBLE_ANE_LUT_BIAS={bias}: it takes a number in [0, 1)")
+    return out
 
 
 def lut_error(x, size):
@@ -455,6 +494,38 @@ def lut_error(x, size):
     a table's error is: the same input always gives the same error, neighbours unrelated."""
     bits = np.asarray(x, np.float16).view(np.uint16).astype(np.uint32)
     return size * (((bits * 2654435761) >> 16 & 0xFFFF).astype(np.float32) / 32768 - 1)
+
+
+def lut_knots_error(op, x, size, axis=-1):
+    """The relative error of a piecewise-linear table: between two knots the chord leaves the
+    curve by a parabola, 0 at the knots, size at the middle, on the side LUT_CURVE gives.
+    Neighbouring inputs share it; it never changes sign, so it does not cancel in sums."""
+    x = np.asarray(x, np.float32)
+    if op == 'softmax':  # its exp takes x - the row's max
+        x = x - x.max(axis, keepdims=True)
+    if op in ('exp', 'softmax'):
+        t = x * np.float32(math.log2(math.e))
+    elif op in ('log', 'rsqrt'):
+        t = np.log2(np.maximum(np.abs(x), FP16_TINY))
+    else:
+        t = x
+    u = t / np.float32(LUT_KNOT_SPACING[op])
+    u = u - np.floor(u)
+    return LUT_CURVE[op] * size * 4 * u * (1 - u)
+
+
+def lut_bias(op, y, size):
+    """A table's systematic bias, b = size, of one sign: a relative -b on the positive tables
+    (exp, rsqrt, softmax), an absolute -b on those through 0 (tanh, log), as at gelu's origin."""
+    if op in ('tanh', 'log'):
+        return y + LUT_BIAS_SIGN * size
+    return y * (1 + LUT_BIAS_SIGN * size)
+
+
+def flush_subnormals(a):
+    """fp16 subnormals (|a| < 2^-14) to +0, in place."""
+    a[np.abs(a) < FP16_TINY] = 0
+    return a
 
 
 def numpy_predict(prog, ane=False, lut=None):
@@ -468,11 +539,18 @@ def numpy_predict(prog, ane=False, lut=None):
     (every partial sum rounded: the worst case of a narrow accumulator; the mean divides that
     sum by n), and no result overflows to inf: matmul outputs saturate at +-ANE_MATMUL_MAX,
     every other op's at +-65504; and the lookup tables are inexact: {op: relative error}
-    (lut_error of the op's input), LUT_ERROR unless given; lut={} computes them exactly."""
+    (lut_error of the op's input), LUT_ERROR unless given; lut={} computes them exactly.
+    The switches (ane_switches) shape the tables' error, add their bias, flush subnormals
+    and coerce NaN, as read when this is called."""
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import Function, types
     f = prog.functions['main']
     lut = (LUT_ERROR if lut is None else lut) if ane else {}
+    switch = ane_switches() if ane else {}
+    knots = switch.get('MACOS_DOUBLE_ANE_LUT') == 'knots'
+    bias = switch.get('MACOS_DOUBLE_ANE_LUT_BIAS', 0.0)
+    flush = switch.get('MACOS_DOUBLE_ANE_SUBNORMALS', 'keep')
+    engine_nan = switch.get('MACOS_DOUBLE_ANE_NAN') == 'engine'
 
     def plain(v):  # NumPy 2: loaded bool params are np.bool_, which reductions reject
         return bool(v) if isinstance(v, np.bool_) or (isinstance(v, np.ndarray) and v.dtype == np.bool_ and v.ndim == 0) else v
@@ -481,7 +559,17 @@ def numpy_predict(prog, ane=False, lut=None):
         x, y = kw['x'].astype(np.float32), kw['y'].astype(np.float32)
         x = np.swapaxes(x, -1, -2) if kw.get('transpose_x') else x
         y = np.swapaxes(y, -1, -2) if kw.get('transpose_y') else y
+        if flush != 'keep':  # M1's accumulator flushes subnormals, in and out
+            x, y = flush_subnormals(x), flush_subnormals(y)
+            return (flush_subnormals(np.clip(x @ y, -ANE_MATMUL_MAX, ANE_MATMUL_MAX)),)
         return (np.clip(x @ y, -ANE_MATMUL_MAX, ANE_MATMUL_MAX) if ane else x @ y,)
+
+    def table(op, kw, y):  # a table's result: its error (a function of the input), its bias
+        if knots:
+            y = y * (1 + lut_knots_error(op.op_type, kw['x'], lut[op.op_type], kw.get('axis', -1)))
+        else:
+            y = y * (1 + lut_error(kw['x'], lut[op.op_type]))
+        return lut_bias(op.op_type, y, bias) if bias else y
 
     def fp16_sum(kw, mean):  # ane=True: term by term along the axis, each partial sum fp16
         if len(kw['axes']) != 1:
@@ -503,11 +591,14 @@ def numpy_predict(prog, ane=False, lut=None):
             a = np.asarray(inputs[name]).astype(types.nptype_from_builtin(var.dtype))
             if a.shape != tuple(var.shape):
                 raise ValueError(f"input {name}: shape {a.shape}, program expects {tuple(var.shape)}")
-            env[name] = a
+            if engine_nan:  # a NaN enters as +inf, saturated here
+                a[np.isnan(a)] = FP16_MAX
+            env[name] = flush_subnormals(a) if flush == 'all' else a
 
         def val(v):
             return env[v.name] if v.name in env else v.val
-        with Function({}, opset_version=f.opset_version), np.errstate(over='ignore' if ane else np.geterr()['over']):
+        quiet = dict(over='ignore', invalid='ignore') if ane else {}  # inf and NaN are handled below
+        with Function({}, opset_version=f.opset_version), np.errstate(**quiet):
             for i, op in enumerate(f.operations):
                 if op.op_type == 'const':
                     env[op.outputs[0].name] = op.outputs[0].val
@@ -524,13 +615,17 @@ def numpy_predict(prog, ane=False, lut=None):
                     if any(r is None for r in res):
                         raise NotImplementedError(f"no NumPy evaluation for MIL op {op.op_type}")
                     if lut.get(op.op_type):  # the table's error, a function of the input
-                        res = (res[0] * (1 + lut_error(kw['x'], lut[op.op_type])),)
+                        res = (table(op, kw, res[0]),)
                 for o, r in zip(op.outputs, res):
                     env[o.name] = r = np.asarray(r).astype(types.nptype_from_builtin(o.dtype))
                     made += r.nbytes
                     if ane and r.dtype == np.float16:  # saturate: +-inf -> +-65504 (np.clip is 10x slower)
                         inf = np.isinf(r)
                         r[inf] = np.copysign(FP16_MAX, r[inf])
+                        if engine_nan:  # 0 * inf, log(-1), rsqrt(-1): +0, never NaN
+                            r[np.isnan(r)] = 0
+                        if flush == 'all':
+                            flush_subnormals(r)
                 for name in frees[i]:
                     env.pop(name, None)
         out = {o.name: env[o.name] for o in f.outputs}

@@ -133,6 +133,8 @@ def parse_bool(s):
 
 
 def resolve_device(name, flag='--device'):
+    """The torch.device `name` means here; flag: the flag that gave it, named in an error
+    (None: a command without one, whose error names none)."""
     if name == 'auto':
         if torch.backends.mps.is_available():
             return torch.device('mps')
@@ -156,14 +158,18 @@ def resolve_device(name, flag='--device'):
 
 def mps_missing(name, flag):
     """A Mac whose torch has MPS built in but cannot use it: torch 2.10 and newer need macOS 14
-    (coreml_and_ane.md section 6); a virtual machine or a sandbox has none either."""
+    (coreml_and_ane.md section 6); a virtual machine or a sandbox has none either. flag None:
+    a command without --device, so no advice to give one."""
     here = f"torch {torch.__version__} on macOS {platform.mac_ver()[0]}"
     if version(platform.mac_ver()[0]) < (14,):
-        why = ("; torch 2.10 and newer need macOS 14 for MPS): update macOS to 14 or newer, or pip install "
-               "'torch<2.10', or")
+        fixes = ["; torch 2.10 and newer need macOS 14 for MPS): update macOS to 14 or newer",
+                 "pip install 'torch<2.10'"]
     else:
-        why = ", as in a virtual machine or a sandbox): run on the Mac itself, or"
-    return UserError(f"{flag} {name}: MPS is not available here ({here}{why} give --device cpu for a small run on the CPU")
+        fixes = [", as in a virtual machine or a sandbox): run on the Mac itself"]
+    if flag:
+        fixes.append("give --device cpu for a small run on the CPU")
+    named = f"{flag} {name}: " if flag else ''
+    return UserError(f"{named}MPS is not available here ({here}{', or '.join(fixes)}")
 
 
 def resolve_dtype(name, device, flag='--dtype'):
@@ -183,7 +189,8 @@ def version(text):
 
 def check_mps(dtype, compile, torch_version=torch.__version__, macos=None):
     """What PyTorch's MPS backend can do (coreml_and_ane.md section 6): no float64; bf16
-    autocast from torch 2.6 on macOS 14 (on 2.5 it silently runs fp32); torch.compile from 2.8."""
+    autocast from torch 2.6 on macOS 14 (on 2.5 it silently runs fp32); torch.compile from 2.8.
+    fp16 and bf16 only where causal attention in that dtype hides later tokens (the probe)."""
     macos = version(macos or platform.mac_ver()[0] or '0')
     if dtype == torch.float64:
         raise UserError("--dtype float64: MPS has no float64; use float32")
@@ -193,6 +200,32 @@ def check_mps(dtype, compile, torch_version=torch.__version__, macos=None):
     if compile and version(torch_version) < (2, 8):
         raise UserError(f"--compile on MPS needs torch 2.8 or newer (this is {torch_version}): upgrade torch "
                         "or leave out --compile")
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half and torch.backends.mps.is_available() and not causal_attention_sound(torch.device('mps'), dtype):
+        name = str(dtype).replace('torch.', '')
+        raise UserError(f"--dtype {name} on MPS: this torch ({torch_version}) computes causal attention "
+                        f"in {name} that sees later tokens (pytorch #195910): use --dtype float32")
+
+
+def causal_attention_sound(device, dtype, T=64):
+    """Whether scaled_dot_product_attention(is_causal=True) on device in dtype hides later
+    positions: values from position p on are raised by 1e4, and no output before p may move by
+    more than 0.5. A sound kernel's masked weights are exactly 0, so it moves them by 0 (0.5 is
+    30 bf16 ulps at |y| < 4, room for a reordered sum). A leak moves a row by 1e4 x its weight
+    on the later positions: for these seeded inputs and a mask per group of four, over 30.
+    p odd (T-1, T/2+1): a mask applied per group of any even size leaks into row p-1."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, T, 32, generator=g) for _ in range(3))
+    for p in (T - 1, T // 2 + 1):
+        later = v.clone()
+        later[:, :, p:] += 1e4
+        y = [F.scaled_dot_product_attention(*(t.to(device, dtype) for t in (q, k, x)), is_causal=True)
+             for x in (v, later)]
+        moved = (y[0][:, :, :p].float() - y[1][:, :, :p].float()).abs().max().item()
+        if not moved <= 0.5:  # (NaN fails)
+            return False
+    return True
 
 
 class _Untested:  # a logging filter: coremltools' "Torch version ... has not been tested"

@@ -22,9 +22,11 @@ timeouts and every fault path run everywhere.
 """
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 import time
 import weakref
 from multiprocessing import shared_memory
@@ -119,9 +121,16 @@ def share_cores(gpu_on_cpu):
     return threads, max(1, CPU_THREADS - threads) if gpu_on_cpu else threads
 
 
+def exit_with_parent():
+    """Ends the worker once the trainer is gone, even mid-call."""
+    multiprocessing.parent_process().join()  # its sentinel: the end of a pipe only the trainer holds
+    os._exit(1)
+
+
 def serve(conn, names, spec, make):
     """The worker's loop: ('run', b, loss scale, new weights?) -> ('done', loss, peak, seconds, max_rss)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the trainer stops the worker
+    threading.Thread(target=exit_with_parent, daemon=True, name='exit-with-parent').start()
     try:
         torch.set_num_threads(spec.threads)
         bufs = Buffers(spec.shapes, spec.max_batch, spec.T, names)
@@ -163,12 +172,25 @@ def close_all():
 progress.ON_INTERRUPT.append(close_all)
 
 
+class Link:
+    """What stops a worker: its process, pipe and buffers. The finalizer holds this, not the engine."""
+
+    def __init__(self, proc, conn, bufs):
+        self.proc = proc
+        self.conn = conn
+        self.bufs = bufs
+        self.lock = threading.Lock()  # one sender on the pipe at a time
+        self.busy = False  # a call is under way
+        self.closed = False
+
+
 class WorkerEngine:
     """The ANE engine, seen from the training process: the trainer's Engine interface over a
     worker that runs the engine make(spec) builds. make is a module-level function (or a partial
     of one), which spawn sends by name. Timeouts:
     - the first answer (start and load, on a Mac the Neural Engine compile): load_timeout;
-    - later calls: timeout_factor x the slowest call per sequence so far, at least min_timeout."""
+    - later calls: timeout_factor x the slowest call per sequence so far, at least min_timeout.
+    close() may come from another thread during a call: the call then ends with WorkerFault."""
     name = 'ane'
     device = torch.device('cpu')
 
@@ -182,8 +204,9 @@ class WorkerEngine:
         ctx = multiprocessing.get_context('spawn')
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=serve, args=(child, self.bufs.names, spec, make), name='ane-worker', daemon=True)
+        self.link = Link(self.proc, self.conn, self.bufs)
         # stopped when this engine is freed or at exit, by a finalizer without a reference to it
-        self._stop = weakref.finalize(self, _shutdown, self.proc, self.conn, self.bufs)
+        self._stop = weakref.finalize(self, _shutdown, self.link)
         _live.add(self)
         what = "starting the ANE worker"
         if ON_MAC:
@@ -194,7 +217,9 @@ class WorkerEngine:
                 with progress.children_ignore_ctrl_c():  # the trainer stops it
                     self.proc.start()
                 child.close()
+                self.link.busy = True  # its compile: a close kills it at once
                 (self.label,) = self._wait(load_timeout, 'starting')
+                self.link.busy = False
         except (WorkerFault, OSError) as e:
             self.close()
             raise UserError(f"the ANE worker could not start: {e}; --mode gpu trains without it") from None
@@ -217,46 +242,67 @@ class WorkerEngine:
         if b > self.spec.max_batch or t != self.spec.T:
             raise UserError(f"the ANE worker takes up to {self.spec.max_batch}x{self.spec.T} tokens a "
                                f"call, not {b}x{t}")
-        if self.proc is None or not self.proc.is_alive():
-            raise self._fault("is not running (it stopped at an earlier fault)" if self.proc is None else
-                              f"is not running ({exit_text(self.proc.exitcode)})")
+        link = self.link
+        with link.lock:  # views taken here keep the memory mapped, even past close()
+            closed = link.closed
+            if not closed:
+                batch = link.bufs.batch
+                grads = link.bufs.flat['g']
+        if closed:
+            raise self._fault("is not running (it stopped at an earlier fault)")
+        if not link.proc.is_alive():
+            raise self._fault(f"is not running ({exit_text(link.proc.exitcode)})")
         for i, t in enumerate((idx, targets)):
-            np.copyto(self.bufs.batch[i, :b], t.cpu().numpy())
-        self.conn.send(('run', b, float(self.scaler.scale), self.new_weights))
+            np.copyto(batch[i, :b], t.cpu().numpy())
+        with link.lock:  # close() sends 'stop' under the same lock
+            sent = not link.closed
+            if sent:
+                link.busy = True
+                link.conn.send(('run', b, float(self.scaler.scale), self.new_weights))
+        if not sent:
+            raise self._fault("was stopped")
         self.new_weights = False
         # the gradients' new home, in NumPy memory, which gets huge pages on Linux
         # faulted in while the worker computes, so the copy below only copies
         # fill runs on one thread, without the GIL (benchmarks/RESULTS.md section 15)
         try:
-            flat = np.empty_like(self.bufs.flat['g'])
+            flat = np.empty_like(grads)
             flat.fill(0)
         except BaseException:  # the worker's answer would be left unread
             self.close()
             raise
         timeout = max(self.min_timeout, self.factor * b * self.slowest) if self.seconds is not None else self.load_timeout
         loss, peak, seconds, self.max_rss = self._wait(timeout, f"computing {b} sequences")
+        link.busy = False
         self.seconds, self.slowest = seconds, max(self.slowest, seconds / b)
         self.scaler.peak = max(self.scaler.peak, peak)
         # one copy of the whole block, since copy_ releases the GIL
         # and taking it back beside a busy thread waits a switch interval
         # from_numpy and views keep the GIL (benchmarks/RESULTS.md section 15)
-        torch.from_numpy(flat).copy_(torch.from_numpy(self.bufs.flat['g']))
+        torch.from_numpy(flat).copy_(torch.from_numpy(grads))
         return torch.tensor(loss), {k: torch.from_numpy(v) for k, v in views(flat, self.shapes).items()}
 
     def _wait(self, timeout, what):
         """The worker's answer, waiting without the GIL (a pipe's poll); a fault if none comes."""
+        link = self.link
+        proc = link.proc
+        conn = link.conn
         deadline = time.monotonic() + timeout
-        while not self.conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
-            if not self.proc.is_alive() and not self.conn.poll(0):
-                raise self._fault(f"died while {what} ({exit_text(self.proc.exitcode)})")
+        while not conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if link.closed:
+                raise self._fault(f"was stopped while {what}")
+            if not proc.is_alive() and not conn.poll(0):
+                raise self._fault(f"died while {what} ({exit_text(proc.exitcode)})")
             if time.monotonic() >= deadline:  # killed, as a hung worker would not read a request to stop
-                self.proc.kill()
+                proc.kill()
                 raise self._fault(f"did not finish {what} within {timeout:.0f} s, so it was stopped")
         try:
-            msg = self.conn.recv()
+            msg = conn.recv()
         except (EOFError, OSError):  # it is gone; its exit status comes once it is reaped
-            self.proc.join(5)
-            raise self._fault(f"died while {what} ({exit_text(self.proc.exitcode)})") from None
+            if link.closed:
+                raise self._fault(f"was stopped while {what}") from None
+            proc.join(5)
+            raise self._fault(f"died while {what} ({exit_text(proc.exitcode)})") from None
         if msg[0] == 'error':
             raise self._fault(f"raised while {what}: {msg[1]}")
         return msg[1:]
@@ -268,22 +314,29 @@ class WorkerEngine:
         return WorkerFault(f"{self.label} {text}{hint}; `python export_ane.py --check` tests the ANE path alone")
 
     def close(self):
-        """Stops the worker (asked first, then killed) and frees the shared memory. Idempotent."""
-        self._stop()
+        """Stops the worker (asked first, killed if busy or deaf) and frees the shared memory.
+        Idempotent; any thread; a Ctrl-C meanwhile is ignored, as a half-done close would leak."""
+        with progress.hold_ctrl_c():
+            self._stop()
         self.proc = self.bufs = None
 
 
-def _shutdown(proc, conn, bufs):  # weakref.finalize calls it at most once per worker
-    if proc.pid is not None and proc.is_alive():
-        try:
-            conn.send(('stop',))
-        except OSError:
-            pass
+def _shutdown(link):  # weakref.finalize calls it at most once per worker
+    proc = link.proc
+    with link.lock:
+        link.closed = True
+        ask = proc.pid is not None and proc.is_alive() and not link.busy
+        if ask:
+            try:
+                link.conn.send(('stop',))
+            except OSError:
+                pass
+    if ask:
         proc.join(5)
-    if proc.is_alive():
+    if proc.is_alive():  # mid-call its answer is not wanted: killed at once
         proc.kill()
         proc.join()
-    bufs.close()
+    link.bufs.close()
 
 
 def set_process_threads(run):

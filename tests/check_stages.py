@@ -27,6 +27,12 @@ def closes_then_dies(ctx):  # its end of the pipe closed first: the runner sees 
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def deaf(ctx):  # busy in a call that no signal ends, as a Core ML compile in C
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    time.sleep(3600)
+
+
 def skipped(ctx):
     return {'skipped': 'powermetrics needs root (sudo -v first)'}
 
@@ -38,7 +44,8 @@ if __name__ == '__main__':  # the check's main over these stages (a test sends i
     from tools import ane_check
     names = ('first', 'second', 'third')
     ane_check.STAGES = tuple((n, False, f'stand-in {n}') for n in names)
-    targets = dict(zip(names, ('check_stages:ok', 'check_stages:hang', 'check_stages:ok')))
+    second = os.environ.get('CHECK_STAGES_SECOND', 'hang')  # how the second stage spends its time
+    targets = dict(zip(names, ('check_stages:ok', f'check_stages:{second}', 'check_stages:ok')))
     ane_check.run_all = functools.partial(ane_check.run_all, targets=targets)
     cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
     sys.exit(ane_check.main(cfg, 2, 8, 'programs', 4, sys.argv[1], 600))

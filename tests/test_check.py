@@ -95,12 +95,14 @@ def test_the_report_and_its_schema(tmp_path):
     table = {line.split(' | ')[0][2:]: line.split(' | ')[1:] for line in open(tmp_path / 'ane_check.md')
              if line.startswith('| ') and '---' not in line}
     verdicts = {k: v[0] for k, v in table.items() if k != 'stage'}
-    assert verdicts == {'environment': 'pass', 'probes': 'needs macOS', 'coreml': 'pass', 'gradients': 'fail',
+    assert verdicts == {'environment': 'pass', 'probes': 'needs macOS', 'coreml': 'warn', 'gradients': 'fail',
                         'concurrency': 'pass', 'energy': 'skipped', 'projection': 'pass'}
     # README's figures, rounded: the ANE's share in %, the worst cosine, beside/alone in ms and as a ratio,
     # tokens/s and the run's time per mode; never a raw 17-digit second
     assert table['coreml'][2].startswith('block_forward: 97% of ops on the ANE, 70.15 ms (CPU alone 170.7 ms); '
                                          'head: ANE share unknown (needs macOS 14.4)')
+    # the head's CPU_AND_NE time is 0.99x its CPU_ONLY time: it may run on the CPU, whatever its plan says
+    assert 'head not clearly faster on the ANE than on the CPU (at least 0.8x)' in table['coreml'][2]
     assert 'worst cosine 0.998700' in table['gradients'][2]
     assert 'GPU step 52.29 ms beside the ANE, 55.96 ms alone (0.93x); ANE call 5731 ms beside the GPU, 5331 ms ' \
            'alone (1.08x)' in table['concurrency'][2]

@@ -489,8 +489,8 @@ def test_the_energy_meter_against_powermetrics(parts):
     assert energy['CPU'] > 0 and energy['GPU'] / energy['CPU'] == pytest.approx(3.0, rel=1e-12), energy
     assert energy['ANE'] / energy['CPU'] == pytest.approx(0.5, rel=1e-12), energy
     assert not [f for f in os.listdir(cwd) if f.startswith('powermetrics.')]  # none left running
-    # sudo relays the SIGTERM: the meter started it in a process group of its own (sudo drops
-    # signals from the group it started in), so no 5 s wait and no SIGKILL
+    # sudo relays the SIGTERM: the meter started it in a process group of its own (sudo 1.9.12
+    # drops signals from the group it started in), so no 5 s wait and no SIGKILL
     assert said['energy close seconds'] < 2, said['energy close seconds']
     # without sudo rights: no meter, and why, at once (not after powermetrics' wait for
     # samples), the second meter without asking sudo again; sudo's stdin never the terminal's

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -231,6 +232,58 @@ def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path, monkeypatch):
     assert engines['ane'].proc is None
     hg.build_run(dataclasses.replace(cfg, mode='gpu'), dataclasses.replace(run, mode='gpu'), log=lambda s: None)
     assert torch.get_num_threads() == 15  # a GPU-only run next in this process gets every core back
+
+
+def wait_for(path, seconds=120):
+    """Until the file at path exists (a worker's call has begun)."""
+    t0 = time.monotonic()
+    while not os.path.exists(path):
+        assert time.monotonic() - t0 < seconds, path
+        time.sleep(0.01)
+
+
+def gone(names):
+    return not any(os.path.exists(f'/dev/shm/{n.lstrip("/")}') for n in names)
+
+
+@pytest.mark.skipif(not os.path.isdir('/dev/shm'), reason="reads /dev/shm")
+def test_close_during_a_call_ends_the_call_at_once(worker, tmp_path):
+    # Ctrl-C mid-step: the main thread closes the engine while its thread waits for the
+    # worker's answer. Asking a busy worker to stop would wait out the whole call, so it is
+    # killed: close takes milliseconds (2 s allowed for a loaded machine; asking first took
+    # 5 s, the join's limit). The waiting thread ends with WorkerFault as soon as the
+    # pipe closes, and nothing is left: the process is reaped, its shared memory unlinked.
+    note = tmp_path / 'busy'
+    w = worker(make=functools.partial(worker_faults.stalls, note=str(note)))
+    w.load_weights(dict(hg.GPT(CFG).named_parameters()))
+    proc, names = w.proc, list(w.bufs.names.values())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # as HeteroStep runs an engine
+        call = pool.submit(w.loss_and_grads, *batches(1)[0])
+        wait_for(note)
+        t0 = time.monotonic()
+        w.close()
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(plumbing_worker.WorkerFault, match='was stopped while computing 4 sequences'):
+            call.result(timeout=2.0)
+    assert proc.exitcode == -signal.SIGKILL and proc not in multiprocessing.active_children()
+    assert gone(names)
+
+
+@pytest.mark.skipif(not os.path.isdir('/dev/shm'), reason="reads /dev/shm")
+def test_a_second_ctrl_c_during_close_leaves_nothing_behind(worker):
+    # A second Ctrl-C while the first one's close runs (here as close waits for the worker
+    # to stop) is ignored: close finishes, so the process is reaped and the memory unlinked.
+    # Before, it raised KeyboardInterrupt out of the finalizer, which never ran again.
+    w = worker()
+    proc, names = w.proc, list(w.bufs.names.values())
+    join = proc.join
+
+    def join_after_ctrl_c(timeout=None):
+        os.kill(os.getpid(), signal.SIGINT)
+        return join(timeout)
+    proc.join = join_after_ctrl_c
+    w.close()
+    assert proc.exitcode == 0 and gone(names)  # asked to stop, it stopped
 
 
 @pytest.mark.parametrize('gpu_on_cpu', [False, True])

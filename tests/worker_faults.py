@@ -37,3 +37,11 @@ def raises(spec, fault_call):
 
 def cannot_start(spec):
     raise RuntimeError("no Neural Engine here")
+
+
+def stalls(spec, note):
+    """A long call: notes its start in the file `note`, then computes for an hour."""
+    def fault():
+        open(note, 'w').close()
+        time.sleep(3600)
+    return _at_call(spec, 1, fault)

@@ -11,8 +11,9 @@ coremltools #2758) is reported and the next stage still runs. Off macOS the stag
 Core ML, MPS or powermetrics are marked 'needs macOS'; one that returns {'skipped': why} is
 skipped. The programs go to the trainer's folder for the run (out/ane_B{B}_T{T}), compiled, so
 the trainer starts from them. The whole record goes to out/ane_check.json (paste it into a bug
-report), a verdict per stage to out/ane_check.md. Ctrl-C stops the stage under way, keeps the
-report of those before it and exits 130.
+report), a verdict per stage to out/ane_check.md. Ctrl-C stops the stage under way within a
+second, keeps the report of those before it and exits 130 (SIGTERM 143, SIGHUP 129). A re-run
+merges into the report of the same model: a stage it did not finish keeps its earlier verdict.
 """
 import dataclasses
 import importlib
@@ -20,9 +21,12 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing import shared_memory
 
 import numpy as np
 import torch
@@ -30,7 +34,7 @@ import torch
 import hetero_gpt as hg  # defines: the model, its derivation, build_coreml_program, coreml_engine, ane_engine
 from plumbing import memory  # defines: memory_estimate, total_memory, measured
 from plumbing.energy import powermetrics_readable  # defines: powermetrics_readable
-from plumbing import progress  # defines: Ticker, clock, children_ignore_ctrl_c (what a person sees)
+from plumbing import progress  # defines: Ticker, clock, children_ignore_ctrl_c, stop_signals, exit_code
 from plumbing import programs as coreml_programs  # defines: export_programs, read_meta, program_report, compiled_model, macos_placement
 from plumbing import settings  # defines: Run, one_line, check_coreml, import_coremltools
 from plumbing import worker  # defines: WorkerEngine, exit_text, share_cores, SWITCH_S
@@ -49,21 +53,41 @@ STAGES = (('environment', False, "macOS, chip, memory, versions, MPS, powermetri
 
 # ---- the stage runner
 
+UNFINISHED = ('interrupted', 'not run')  # statuses that replace no earlier verdict
+STOP_GRACE_S = 1.0  # a stopped stage frees what it started within this, else it is killed
+_parent = []  # in a stage's process: its pipe to the runner
+
+
+def _send(conn, msg):  # a runner that has gone away reads nothing: no BrokenPipeError
+    try:
+        conn.send(msg)
+    except OSError:
+        pass
+
+
+def announce_segments(names):
+    """A stage's shared memory, named to the runner, which unlinks it if it must kill the stage."""
+    for conn in _parent:
+        _send(conn, ('segments', list(names)))
+
+
 def _child(conn, target, ctx):
-    import signal
     import warnings
 
-    def stop(*_):  # the runner's Ctrl-C: unwound here, so that a worker this stage started is stopped
+    def stop(*_):  # the runner's stop: unwound here, so that a worker this stage started is stopped
         raise KeyboardInterrupt
+    os.setpgid(0, 0)  # a group of its own, with what it starts: the runner can kill them all
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)  # a closed terminal: stop as the runner would ask
+    _parent.append(conn)
     os.environ[progress.QUIET_ENV] = '1'  # the runner shows the stage's time
     # the probes' overflow is deliberate: NumPy's warnings of it, in coremltools' constant folding, are not news
     warnings.filterwarnings('ignore', r'(overflow|invalid value) encountered', RuntimeWarning, r'coremltools\.')
     try:
         module, name = target.split(':')
-        conn.send(('ok', getattr(importlib.import_module(module), name)(ctx)))
+        _send(conn, ('ok', getattr(importlib.import_module(module), name)(ctx)))
     except BaseException as e:  # reported by the parent; the next stage runs
-        conn.send(('error', settings.one_line(e)))
+        _send(conn, ('error', settings.one_line(e)))
 
 
 def run_stage(name, ctx, timeout, target=None):
@@ -71,61 +95,90 @@ def run_stage(name, ctx, timeout, target=None):
     this file's function `name`) in a spawned child process, cut at `timeout` seconds, its time
     shown meanwhile: {'name', 'seconds', 'status': ok | skipped | failed | timeout | killed |
     interrupted, 'result' | 'error'}. A stage that returns {'skipped': why} is skipped. Ctrl-C
-    (KeyboardInterrupt here; the child ignores SIGINT) stops the child in order (SIGTERM, then
-    SIGKILL) and re-raises."""
+    (KeyboardInterrupt here, SIGTERM and SIGHUP too; the child ignores SIGINT) stops the child
+    (stop_child) and re-raises."""
     mp = multiprocessing.get_context('spawn')
     conn, child = mp.Pipe()
     # not a daemon: a stage may start a process of its own (the ANE worker)
     proc = mp.Process(target=_child, args=(child, target or f'tools.ane_check:{name}', ctx), name=f'check-{name}')
     t0 = time.monotonic()
-    out = None
-    with progress.Ticker(f"  {name}"):
-        try:
+    out, segments = None, []
+    try:
+        with progress.Ticker(f"  {name}"):
             with progress.children_ignore_ctrl_c():
                 proc.start()
             child.close()
-            while out is None and not conn.poll(min(1.0, max(0.0, timeout - (time.monotonic() - t0)))):
-                if time.monotonic() - t0 >= timeout or not proc.is_alive() and not conn.poll(0):
-                    break
-            if conn.poll(0):
+            while out is None:
+                left = timeout - (time.monotonic() - t0)
+                if not conn.poll(min(1.0, max(0.0, left))):
+                    if left <= 0 or not proc.is_alive() and not conn.poll(0):
+                        break
+                    continue
                 try:
                     kind, value = conn.recv()
-                    out = (dict(status='ok', result=value) if kind == 'ok' else dict(status='failed', error=value))
                 except EOFError:  # the child closed its end by dying: reaped before it is asked about
                     proc.join(30)
-        except KeyboardInterrupt:
-            stop_child(proc)
-            raise
+                    break
+                if kind == 'segments':  # shared memory the stage made, unlinked here if it is killed
+                    segments += value
+                    continue
+                out = (dict(status='ok', result=value) if kind == 'ok' else dict(status='failed', error=value))
+    except KeyboardInterrupt:
+        stop_child(proc, segments)
+        raise
+    finally:
+        conn.close()
     if out and isinstance(out.get('result'), dict) and set(out['result']) == {'skipped'}:
         out = dict(status='skipped', error=str(out['result']['skipped']))
     if out is None:
         if proc.is_alive():
-            proc.kill()
-            proc.join()
+            stop_child(proc, segments, grace=0.0)
             out = dict(status='timeout', error=f"no answer within {timeout:.0f} s: stopped")
         else:
             proc.join()
             out = dict(status='killed', error=f"the stage's process died ({worker.exit_text(proc.exitcode)})")
     proc.join(5)
+    if proc.is_alive() or proc.exitcode != 0:  # what it started goes with it
+        stop_child(proc, segments, grace=0.0)
     return dict(name=name, seconds=round(time.monotonic() - t0, 2)) | out
 
 
-def stop_child(proc, grace=20.0):
-    """A stage's process asked to stop (it frees what it started), else killed."""
+def stop_child(proc, segments=(), grace=STOP_GRACE_S):
+    """A stage's process asked to stop (SIGTERM: it frees what it started); after `grace`
+    seconds its whole group is killed (the ANE worker with it) and the shared memory it named
+    is unlinked. Signals that come meanwhile wait until it is done."""
     if proc.pid is None:
         return
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(grace)
-    if proc.is_alive():
-        proc.kill()
-    proc.join(5)
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    main = threading.current_thread() is threading.main_thread()
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in stops} if main else {}
+    try:
+        if proc.is_alive() and grace > 0:
+            proc.terminate()
+            proc.join(grace)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group _child made: the stage and its worker
+        except OSError:  # gone, or its group not made yet
+            if proc.is_alive():
+                proc.kill()
+        proc.join(5)
+        for name in segments:
+            try:
+                m = shared_memory.SharedMemory(name=name)
+            except FileNotFoundError:  # the stage freed it
+                continue
+            m.close()
+            m.unlink()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def run_all(ctx, stages, timeout, log=print, targets=None):
     """Every stage in turn, each one's result added to ctx['results'] for those after it.
     targets: {stage name: 'module:function'} in place of this file's functions (tests). Ctrl-C:
-    the stage under way and those after it are 'interrupted', and ctx['interrupted'] is set."""
+    the stage under way and those after it are 'interrupted', and ctx['interrupted'] is set.
+    A failed environment stage ends the check at once: the stages after it are 'not run'."""
     ctx = dict(ctx, results={})
     records = []
     for i, (name, needs_mac, what) in enumerate(stages):
@@ -140,9 +193,15 @@ def run_all(ctx, stages, timeout, log=print, targets=None):
                 ctx['interrupted'] = name
                 break
             ctx['results'][name] = rec.get('result')
-        log(f"  {name}: {rec['status']}" + (f" ({rec['error']})" if 'error' in rec else '')
-            + f", {progress.clock(rec['seconds'])}")
+        verdict, text = verdict_of(rec)
+        status = verdict if verdict == 'fail' else rec['status']
+        why = text if verdict == 'fail' else rec.get('error')
+        log(f"  {name}: {status}" + (f" ({why})" if why else '') + f", {progress.clock(rec['seconds'])}")
         records.append(rec)
+        if name == 'environment' and verdict in ('fail', 'failed', 'killed', 'timeout'):
+            records += [dict(name=n, status='not run', seconds=0.0, error="the environment stage failed")
+                        for n, _, _ in stages[i + 1:]]
+            break
     return records
 
 
@@ -161,10 +220,14 @@ def write_report(records, ctx, path):
         c = ctx['cfg']
         mine = os.path.splitext(path)[0] + f"-L{c['n_layer']}-C{c['n_embd']}-B{ctx['B']}-T{ctx['T']}.json"
         how, path, old = f"to a file of its own: {path} holds another model's report, kept", mine, _read(mine)
-    if old and len(records) < len(STAGES):  # some stages again: the others kept from before
-        new = {r['name']: r for r in records}
-        doc['stages'] = [new.pop(r['name'], r) for r in old['stages']] + list(new.values())
-        how = f"merged: {', '.join(r['name'] for r in records)} re-run, the other stages kept from before"
+    if old:  # merged: a stage this run did not finish keeps its earlier record
+        kept = {r['name']: r for r in old['stages']}
+        done = [r for r in records if r['name'] not in kept or r['status'] not in UNFINISHED]
+        kept |= {r['name']: r for r in done}
+        order = [s[0] for s in STAGES] + list(kept)  # the check's order, then any other
+        doc['stages'] = sorted(kept.values(), key=lambda r: order.index(r['name']))
+        how = (f"merged: {', '.join(r['name'] for r in done) or 'no stage'} re-run, the other stages kept from before"
+               if len(done) < len(kept) else 'every stage re-run')
     md = os.path.splitext(path)[0] + '.md'
     for p in (path, md):
         if os.path.exists(p) and not _ours(p):
@@ -205,6 +268,9 @@ def _ours(p):
 
 
 OVERLAP_OK = 1.25  # beside/alone: each engine at least 80% of its speed alone
+ANE_SHARE_OK = 0.95  # of a program's ops on the ANE; below, the CPU's part shows in its time
+ANE_TIME_OK = 0.8  # CPU_AND_NE's time at most this of CPU_ONLY's: else it may run on the CPU
+LOSS_OK = 1e-2  # |loss / fp64 loss - 1|: fp16's rounding of a mean of B*T log-softmaxes
 
 
 def verdict_of(r):
@@ -222,11 +288,22 @@ def verdict_of(r):
                                      "ANE share unknown (needs macOS 14.4)") + f", {v.get('CPU_AND_NE_ms', 0):.4g} ms "
                          f"(CPU alone {v.get('CPU_ONLY_ms', 0):.4g} ms)" for (p, v), s in zip(res.items(), shares.values()))
         known = [s for s in shares.values() if isinstance(s, (int, float))]
-        return ('pass' if not known or min(known) > 0.5 else 'fail'), text
+        if known and min(known) <= 0.5:
+            return 'fail', text
+        # a plan may say ANE for a program that runs on the CPU: its time tells
+        slow = [p for p, v in res.items() if v.get('CPU_AND_NE_ms', 0) >= ANE_TIME_OK * v.get('CPU_ONLY_ms', 0)]
+        part = [p for p, s in shares.items() if isinstance(s, (int, float)) and s < ANE_SHARE_OK]
+        if slow:
+            text += f": {', '.join(slow)} not clearly faster on the ANE than on the CPU (at least {ANE_TIME_OK}x)"
+        if part:
+            text += f"; {', '.join(part)} below {100 * ANE_SHARE_OK:.0f}% of ops on the ANE"
+        return ('warn' if slow or part else 'pass'), text
     if name == 'gradients':
         text = f"worst cosine {res.get('worst_cosine', float('nan')):.6f} (at least 0.999), at {res.get('worst')}"
         if 'worst_norm_ratio' in res:
             text += f"; norm ratio {res['worst_norm_ratio']:.4f}"
+        if 'loss_ratio' in res:
+            text += f"; loss / fp64 loss {res['loss_ratio']:.4f} (within {LOSS_OK:g})"
         return ('pass' if res.get('passed') else 'fail'), text
     if name == 'energy':  # watts of the whole chip while each engine runs alone
         return 'pass', '; '.join(f"{k.split('_')[0].upper()} alone: " + ', '.join(f"{p} {w:.1f} W" for p, w in v.items())
@@ -255,8 +332,17 @@ def verdict_of(r):
             f"{res.get('ops')} ops, largest live {res.get('live_mib')} MiB, largest dimension {res.get('largest_dim')}, "
             f"off the ANE: {', '.join(res.get('off_ane') or []) or 'none'}")
     if name == 'environment':
-        return 'pass', ', '.join(f"{k} {res[k]}" for k in ('macos', 'chip', 'memory_gib', 'torch', 'coremltools',
-                                                           'coreml_runtime', 'mps') if k in res)
+        if 'gpu_device_error' in res:  # the trainer's own refusal: no run could start
+            return 'fail', res['gpu_device_error']
+        text = ', '.join(f"{k} {res[k]}" for k in ('macos', 'chip', 'memory_gib', 'torch', 'coremltools',
+                                                    'coreml_runtime', 'mps') if k in res)
+        leaky = [d for d, sound in res.get('causal_attention', {}).items() if not sound]
+        if 'float32' in leaky:
+            return 'fail', text + "; causal attention in float32 on MPS sees later tokens"
+        if leaky:
+            return 'warn', text + (f"; causal attention in {' and '.join(leaky)} on MPS sees later tokens "
+                                   "(pytorch #195910): the trainer refuses those dtypes on MPS")
+        return 'pass', text
     return 'pass', ', '.join(f"{k} {v}" for k, v in list(res.items())[:4])
 
 
@@ -303,6 +389,14 @@ def environment(ctx):
         info['coremltools'] = settings.import_coremltools().__version__
     except ImportError:
         info['coremltools'] = None
+    try:  # the GPU engine's device, as the trainer resolves it by default
+        device = settings.resolve_device('auto', flag=None)
+        info['gpu_device'] = str(device)
+        if device.type == 'mps':  # each dtype a run may take: does is_causal hide later tokens?
+            info['causal_attention'] = {str(d).replace('torch.', ''): settings.causal_attention_sound(device, d)
+                                        for d in (torch.float32, torch.float16, torch.bfloat16)}
+    except hg.UserError as e:
+        info['gpu_device_error'] = str(e)
     if hg.ON_MAC:
         info['macos'] = platform.mac_ver()[0]
         info['chip'] = subprocess.run(['sysctl', '-n', 'machdep.cpu.brand_string'], capture_output=True,
@@ -464,9 +558,13 @@ def gradients(ctx):
     autograd on one random microbatch, judged by judge_gradients."""
     t0 = time.perf_counter()
     loss, grads, ref_loss, ref, engine = gradient_pair(ctx)
-    return judge_gradients(grads, ref) | dict(
-        loss=round(loss, 5), reference_loss=round(ref_loss, 5), finite=bool(hg.grads_finite(grads)),
-        seconds=round(time.perf_counter() - t0, 2), largest_output=engine.scaler.peak)
+    out = judge_gradients(grads, ref)
+    ratio = loss / ref_loss
+    if not abs(ratio - 1) <= LOSS_OK:  # (a NaN fails too)
+        out |= dict(passed=False, failures=['loss'] + out['failures'])
+    return out | dict(loss=round(loss, 5), reference_loss=round(ref_loss, 5), loss_ratio=round(ratio, 6),
+                      finite=bool(hg.grads_finite(grads)), seconds=round(time.perf_counter() - t0, 2),
+                      largest_output=engine.scaler.peak)
 
 
 def judge_gradients(grads, ref):
@@ -487,8 +585,9 @@ def judge_gradients(grads, ref):
 def concurrency(ctx, watts=False):
     """macOS: the GPU engine and the ANE worker (Core ML), each alone and beside the other. The
     GPU engine's device is the trainer's default, resolve_device('auto'): MPS on a Mac."""
-    return overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], settings.resolve_device('auto'),
-                   program_dir=ctx['out'], gpu_iters=10, ane_iters=3, watts=watts)
+    device = settings.resolve_device('auto', flag=None)
+    return overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], device, program_dir=ctx['out'],
+                   gpu_iters=10, ane_iters=3, watts=watts)
 
 
 def energy(ctx):
@@ -529,6 +628,16 @@ def projection(ctx):
 
 
 
+def busy_until(timed, engine, batch, stop):
+    """Thread body: one engine's calls until stop is set; once it is, a call that fails (its
+    worker closed) ends the thread quietly."""
+    try:
+        timed(engine, batch, 1, stop)
+    except BaseException:
+        if not stop.is_set():
+            raise
+
+
 def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, ane_iters=5,
             watts=False, dtype=torch.float32, ane_dtype='float32', threads=None, ane_microbatch=None):
     """The Mac's structure, timed: the GPU engine (autograd on `device`, gpu_batch sequences a
@@ -537,7 +646,6 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     run. Medians in seconds: {gpu,ane}_{alone,beside}; exchange_{alone,beside}: this side's wall
     time per call minus the worker's own; with watts, each part's watts (powermetrics) alone;
     memory: the peaks measured (memory.measured) beside the estimate."""
-    import threading
     from plumbing.energy import PowermetricsMeter
     ane_microbatch = ane_microbatch or gpu_batch
     torch.manual_seed(0)
@@ -553,6 +661,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     sys.setswitchinterval(worker.SWITCH_S)
     spec = hg.ane_spec(ane_cfg, run, threads or cores)
     w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
+    announce_segments(w.bufs.names.values())
     rand = lambda b: tuple(torch.randint(0, cfg.vocab_size, (b, cfg.block_size)) for _ in range(2))
     gb, ab = rand(gpu_batch), rand(ane_microbatch)
     w.load_weights(dict(model.named_parameters()))
@@ -584,14 +693,16 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
         phase[0] = 'beside'
         for busy, measured in (((w, ab), (gpu, gb, gpu_iters, 'gpu')), ((gpu, gb), (w, ab, ane_iters, 'ane'))):
             stop = threading.Event()
-            bg = threading.Thread(target=timed, args=(*busy, 1, stop))
+            bg = threading.Thread(target=busy_until, args=(timed, *busy, stop), daemon=True, name='beside')
             bg.start()
-            time.sleep(0.5)  # the other engine well under way
-            res[f'{measured[3]}_beside'] = timed(*measured[:3])
-            stop.set()
+            try:
+                time.sleep(0.5)  # the other engine well under way
+                res[f'{measured[3]}_beside'] = timed(*measured[:3])
+            finally:
+                stop.set()  # the other engine's loop ends, however this one ended
             bg.join()
     finally:
-        w.close()
+        w.close()  # a call of the other engine under way fails, and its thread ends
     out = {k: float(np.median(v)) for k, v in res.items()}
     out |= {f'{k}_spread': float(np.std(v) / np.median(v)) for k, v in res.items() if k.endswith('alone')}
     out |= {f'exchange_{k}': float(np.median(v)) for k, v in exchanges.items() if k != 'warm-up'}
@@ -611,13 +722,15 @@ def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print, run_t
     ctx = dict(cfg=dataclasses.asdict(cfg), B=B, T=T, out=out, gpu_batch=gpu_batch, run_tokens=run_tokens)
     log(f"the self-check: programs for {cfg.n_layer} layers x {cfg.n_embd} wide, {B}x{T} tokens an ANE call, "
         f"exported and compiled into {out} (the trainer's folder for this run); Ctrl-C stops it and keeps the report")
-    records = run_all(ctx, [s for s in STAGES if not names or s[0] in names], timeout, log)
-    _, written, how = write_report(records, ctx, report)
+    with progress.stop_signals():  # SIGTERM and SIGHUP stop it as Ctrl-C does
+        records = run_all(ctx, [s for s in STAGES if not names or s[0] in names], timeout, log)
+        with progress.hold_ctrl_c():  # the report is written whole
+            _, written, how = write_report(records, ctx, report)
     md = os.path.splitext(written)[0] + '.md'
     stopped = next((r['name'] for r in records if r['status'] == 'interrupted'), None)
     if stopped:
         log(f"interrupted in stage {stopped}: the stages before it are in {md} ({how})")
-        return progress.INTERRUPTED
+        return progress.exit_code()
     log(f"wrote {md} (a verdict per stage) and {written} (everything: paste it into a bug report); {how}")
     bad = [n for n in (r['name'] for r in records if verdict_of(r)[0] in ('fail', 'failed', 'killed', 'timeout'))]
     for r in records:

@@ -10,6 +10,8 @@ since they inherit both).
 - Core ML's native runtime under coremltools: the module coremltools.libcoremlpython
   (libcoremlpython.py beside this file). coremltools' own Python runs above it unchanged.
 - powermetrics and sudo on PATH (bin/).
+- The machine's memory, as hw.memsize (bin/sysctl) and as os.sysconf's pages.
+- ctypes.macholib where this Python lacks it (MacholibFallback).
 - PyTorch's MPS backend, installed once torch is imported (torch_mps.py): the GPU engine on the CPU.
 
 Switches, all environment variables:
@@ -25,6 +27,9 @@ Switches, all environment variables:
   MACOS_DOUBLE_ANE_FALLBACK  1: a Neural Engine load runs the program on the CPU, silently
   MACOS_DOUBLE_CPU_SLOWDOWN  a program on the CPU predicts this many times slower (default 1)
   MACOS_DOUBLE_SUDO      1: sudo -n has rights (default: none, as on most Macs)
+  MACOS_DOUBLE_SUDO_TS   a folder: sudo's tickets (`sudo -v`), each its terminal's (bin/sudo)
+  MACOS_DOUBLE_SUDO_RELAY  old: sudo 1.9.12's signal relay rule; new (default): 1.9.13's
+  MACOS_DOUBLE_MEMORY    GiB of memory (default: this machine's), e.g. 16 for a 16 GB Mac
   MACOS_DOUBLE_WATTS     CPU,GPU,ANE milliwatts powermetrics reports (default 3000,9000,1500)
   MACOS_DOUBLE_LOG       a folder: the double notes compiles, loads and powermetrics there
   MACOS_DOUBLE_MPS       0: no MPS (torch.backends.mps.is_available() False, as on Linux)
@@ -67,6 +72,57 @@ class AfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
+class MacholibFallback(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """ctypes.macholib.dyld, where this Python lacks it: ctypes.util imports it when
+    sys.platform is darwin, and Debian and Ubuntu leave it out of their Python. Last on
+    sys.meta_path, so a Python that has the real one uses it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in ('ctypes.macholib', 'ctypes.macholib.dyld'):
+            return importlib.machinery.ModuleSpec(name, self, is_package=name == 'ctypes.macholib')
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        if module.__name__ == 'ctypes.macholib.dyld':
+            module.dyld_find = dyld_find
+
+
+def dyld_find(name, executable_path=None, env=None):
+    """dyld's search on this file system, as the real ctypes.macholib.dyld does it: the name,
+    DYLD_LIBRARY_PATH, then DYLD_FALLBACK_LIBRARY_PATH or its default (dyld(1)); frameworks
+    in DYLD_FRAMEWORK_PATH and the framework folders. ValueError where none has it."""
+    env = os.environ if env is None else env
+    paths = lambda key, default=(): [p for p in env.get(key, '').split(':') if p] or list(default)
+    home = os.path.expanduser('~')
+    libraries = paths('DYLD_LIBRARY_PATH') + paths(
+        'DYLD_FALLBACK_LIBRARY_PATH', [f'{home}/lib', '/usr/local/lib', '/lib', '/usr/lib'])
+    places = [name] + [os.path.join(d, os.path.basename(name)) for d in libraries]
+    if '.framework/' in name:
+        frameworks = paths('DYLD_FRAMEWORK_PATH') + paths('DYLD_FALLBACK_FRAMEWORK_PATH', [
+            f'{home}/Library/Frameworks', '/Library/Frameworks', '/Network/Library/Frameworks',
+            '/System/Library/Frameworks'])
+        places += [os.path.join(d, name) for d in frameworks]
+    for place in places:
+        if os.path.isfile(place):
+            return place
+    raise ValueError(f"dylib {name} could not be found")
+
+
+def with_memory(sysconf, memory):
+    """os.sysconf whose physical pages make `memory` bytes. The page size stays the kernel's
+    (Apple Silicon's is 16 KiB), since /proc's counts of pages use it."""
+    pages = memory // sysconf('SC_PAGE_SIZE')
+
+    def patched(name):
+        if name in ('SC_PHYS_PAGES', os.sysconf_names['SC_PHYS_PAGES']):
+            return pages
+        return sysconf(name)
+    return patched
+
+
 def install():
     # Two stdlib modules load macOS-only parts when sys.platform is darwin: urllib.request
     # (_scproxy) and sysconfig (_sysconfigdata__darwin_*); load them under the real identity
@@ -79,6 +135,9 @@ def install():
     bin_dir = os.path.join(HERE, 'bin')
     if not os.environ['PATH'].startswith(bin_dir + os.pathsep):
         os.environ['PATH'] = bin_dir + os.pathsep + os.environ['PATH']
+    if os.environ.get('MACOS_DOUBLE_MEMORY'):
+        os.sysconf = with_memory(os.sysconf, int(float(os.environ['MACOS_DOUBLE_MEMORY']) * 2**30))
+    sys.meta_path.append(MacholibFallback())
     if os.environ.get('MACOS_DOUBLE_NATIVE', '1') == '1':
         sys.meta_path.insert(0, NativeFinder())
     if os.environ.get('MACOS_DOUBLE_MPS', '1') == '1':

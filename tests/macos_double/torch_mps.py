@@ -33,6 +33,11 @@ What it imitates, and where PyTorch says so:
   its kernels; the next op or read in any thread waits until the work is done, as one MPS
   stream serves every thread (MPSStream.mm, getDefaultMPSStream). That wait is Metal's
   waitUntilCompleted, in C: a signal arriving meanwhile runs its Python handler only after it.
+- Causal attention in float16 and bfloat16 that sees the future (pytorch #195910, reported on
+  torch 2.10, closed; a report on YuE #176 finds 2.14.0 right): scaled_dot_product_attention
+  with is_causal=True applies the mask once per group of four query positions, so query i sees
+  keys up to 4 * (i // 4) + 3, silently. On for torch before 2.14, where it is not known fixed.
+  MACOS_DOUBLE_MPS_SDPA=leaky turns it on, exact off, whatever the version.
 """
 import os
 import signal
@@ -112,6 +117,8 @@ class MPSTensor(torch.Tensor):
                     _copy(dst, src, *args[2:], **kwargs)
                 return None
             _run_stream()  # every op runs after what is queued before it
+            if func in _CAUSAL and _causal(func, args, kwargs) and _leaky(args[0]):
+                args, kwargs = _group_mask(func, args, kwargs)
             if func in (aten._fused_adamw_.default, aten._fused_adam_.default):  # MPS's updates anyway
                 kwargs = dict(kwargs, found_inf=None)  # (coreml_and_ane.md section 6)
             if func is aten._to_copy.default and torch.device(kwargs.get('device') or MPS).type == 'cpu':
@@ -121,6 +128,38 @@ class MPSTensor(torch.Tensor):
             out = func(*tree_map(_inner, args), **tree_map(_inner, kwargs))
             # a result on the device; an input the op returns (in place) is that input itself
             return tree_map(lambda t: _outer(t, owners) if type(t) is torch.Tensor else t, out)
+
+
+# SDPA on a CPU-looking tensor: forward and backward, (..., dropout_p, is_causal, *, attn_mask)
+_CAUSAL = {aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
+           aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7}
+
+
+def _causal(func, args, kwargs):
+    n = _CAUSAL[func]
+    return (args[n] if len(args) > n else kwargs.get('is_causal', False)) is True
+
+
+def _leaky(q):
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    setting = os.environ.get('MACOS_DOUBLE_MPS_SDPA', '')
+    if setting in ('leaky', 'exact'):
+        return setting == 'leaky'
+    return tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]) < (2, 14)
+
+
+def _group_mask(func, args, kwargs):
+    """is_causal as MPS applies it in fp16 and bf16: query i sees keys up to 4 * (i // 4) + 3."""
+    q, k = args[0 if func is aten._scaled_dot_product_flash_attention_for_cpu.default else 1:][:2]
+    i = torch.arange(q.shape[-2]).unsqueeze(1)
+    j = torch.arange(k.shape[-2]).unsqueeze(0)
+    hidden = j > 4 * (i // 4) + 3  # (T, T), True where the key is masked
+    mask = MPSTensor(torch.zeros(hidden.shape, dtype=q.dtype).masked_fill(hidden, float('-inf')))
+    n = _CAUSAL[func]
+    if len(args) > n:
+        return args[:n] + (False,) + args[n + 1:], dict(kwargs, attn_mask=mask)
+    return args, dict(kwargs, is_causal=False, attn_mask=mask)
 
 
 def _inner(t):
