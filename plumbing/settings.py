@@ -260,15 +260,15 @@ def check_coreml():
     try:
         ct = import_coremltools()
     except ImportError:
-        raise UserError("the ANE engine needs coremltools: pip install -r requirements.txt, or use --mode gpu") from None
+        raise UserError("the ANE engine needs coremltools: pip install -r requirements.txt, or train on the GPU alone (`python hetero_gpt.py --mode gpu`)") from None
     if version(ct.__version__) < (8, 3):
         raise UserError(f"coremltools {ct.__version__} is too old for the ANE engine: pip install 'coremltools>=8.3', "
-                        "or use --mode gpu")
+                        "or train on the GPU alone (`python hetero_gpt.py --mode gpu`)")
     try:
         import coremltools.libcoremlpython  # noqa: F401
     except ImportError:
         raise UserError(f"coremltools {ct.__version__} has no Core ML runtime (libcoremlpython): pip found no macOS "
-                        f"wheel for Python {platform.python_version()}; use Python 3.9 to 3.13 (3.13: coremltools 9 or newer), or --mode gpu") from None
+                        f"wheel for Python {platform.python_version()}; use Python 3.9 to 3.13 (3.13: coremltools 9 or newer), or `python hetero_gpt.py --mode gpu`") from None
 
 
 def mac_without_ane():
@@ -292,7 +292,7 @@ def check_ane_alignment(cfg, T):
     """On a Mac: every contraction of the ANE's programs a multiple of 32 (T, and so B*T;
     n_embd; the head size): public ANE work saw silent zeros otherwise (coreml_and_ane.md section 2)."""
     if why := mac_without_ane():
-        raise UserError(f"{why}: use --mode gpu")
+        raise UserError(f"{why}: train on the GPU alone, `python hetero_gpt.py --mode gpu`")
     for name, n in (('--block_size (tokens a sequence)', T), ('--n_embd', cfg.n_embd),
                     ('the head size (--n_embd / --n_head)', cfg.n_embd // cfg.n_head)):
         if n % 32:

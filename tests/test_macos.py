@@ -576,7 +576,7 @@ def test_commands_without_core_ml_are_refused_in_one_line(tmp_path):
     ([], dict(native=0), "has no Core ML runtime (libcoremlpython)"),
     (['--block_size', '48'], {}, "--block_size (tokens a sequence) is 48: the ANE's programs need a multiple of 32"),
     (['--mode', 'hetero'], dict(machine='x86_64'),
-     "this Mac is x86_64 (Intel), and the Neural Engine needs Apple Silicon: use --mode gpu"),
+     "this Mac is x86_64 (Intel), and the Neural Engine needs Apple Silicon: train on the GPU alone"),
     (['--mode', 'hetero'], dict(machine='x86_64', rosetta=1),
      "this Python is an x86_64 build running under Rosetta on Apple Silicon, and the ANE engine needs an arm64 Python"),
 ])
