@@ -106,8 +106,8 @@ def test_the_report_and_its_schema(tmp_path):
     assert 'worst cosine 0.998700' in table['gradients'][2]
     assert 'GPU step 52.29 ms beside the ANE, 55.96 ms alone (0.93x); ANE call 5731 ms beside the GPU, 5331 ms ' \
            'alone (1.08x)' in table['concurrency'][2]
-    assert table['projection'][2].startswith('gpu: 2,287 tokens/s, the default run in 2h 23m; ane: 24 tokens/s, the '
-                                             'default run in 227h 33m; hetero: 2,470 tokens/s, the default run in 2h 12m')
+    assert table['projection'][2].startswith('gpu: 2,287 tokens/s, the training run of these flags in 2h 23m; ane: 24 tokens/s, the '
+                                             'training run of these flags in 227h 33m; hetero: 2,470 tokens/s, the training run of these flags in 2h 12m')
     assert table['energy'][2].strip(' |\n') == 'needs sudo' and table['coreml'][1] == '1m 04s'
     # engines that slow each other past 1.25x: a note, not a failure (the path works; hetero gains less)
     slow = dict(records()[4], result=dict(gpu_alone=0.01, gpu_beside=0.013, ane_alone=1.0, ane_beside=1.0))

@@ -31,7 +31,8 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-import hetero_gpt as hg  # defines: the model, its derivation, build_coreml_program, coreml_engine, ane_engine
+import hetero_gpt as hg  # defines: the model, its derivation, build_coreml_program, coreml_engine,
+#   engine_from_spec
 from plumbing import memory  # defines: memory_estimate, total_memory, measured
 from plumbing.energy import powermetrics_readable  # defines: powermetrics_readable
 from plumbing import progress  # defines: Ticker, clock, children_ignore_ctrl_c, stop_signals, exit_code
@@ -321,7 +322,7 @@ def verdict_of(r):
             return 'pass', f"memory {res['memory_gib']} GiB of {res['machine_gib']}; tokens/s need the concurrency stage (macOS)"
         runs = res.get('run', {})
         return 'pass', '; '.join(f"{m}: {res[f'{m}_tokens_per_s']:,} tokens/s" + (
-            f", the default run in {progress.clock(runs[m])}" if m in runs else '') for m in ('gpu', 'ane', 'hetero')) + (
+            f", the training run of these flags in {progress.clock(runs[m])}" if m in runs else '') for m in ('gpu', 'ane', 'hetero')) + (
             f"; memory {res['memory_gib']} GiB of {res['machine_gib']}")
     if name == 'probes':
         bad = [p for p, v in res.items() if not v.get('finite') and not p.startswith('overflow')]
@@ -615,7 +616,7 @@ def projection(ctx):
         r_gpu, r_ane = tok / times['gpu_beside'], tok / times['ane_beside']
         out |= dict(gpu_tokens_per_s=round(tok / times['gpu_alone']), ane_tokens_per_s=round(tok / times['ane_alone']),
                     hetero_tokens_per_s=round(r_gpu + r_ane), ane_share=round(r_ane / (r_gpu + r_ane), 3))
-        if ctx.get('run_tokens'):  # the trainer's default run, to --max_iters, at each mode's rate
+        if ctx.get("run_tokens"):  # the run the trainer starts with these flags, at each rate
             out['run'] = {m: round(ctx['run_tokens'] / out[f'{m}_tokens_per_s']) for m in ('gpu', 'ane', 'hetero')}
             out['run_tokens'] = ctx['run_tokens']
     else:
@@ -660,7 +661,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     torch.set_num_threads(here)  # (this process's threads and GIL switch interval, as training sets them)
     sys.setswitchinterval(worker.SWITCH_S)
     spec = hg.ane_spec(ane_cfg, run, threads or cores)
-    w = worker.WorkerEngine(spec, hg.ane_engine, hg.LossScaler(1.0, 0, enabled=False))
+    w = worker.WorkerEngine(spec, hg.engine_from_spec, hg.LossScaler(1.0, 0, enabled=False))
     announce_segments(w.bufs.names.values())
     rand = lambda b: tuple(torch.randint(0, cfg.vocab_size, (b, cfg.block_size)) for _ in range(2))
     gb, ab = rand(gpu_batch), rand(ane_microbatch)
@@ -715,7 +716,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
 def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print, run_tokens=0):
     """export_ane.py --check: every stage (or those named), then the report. Returns 0 if every
     stage that ran passed (a skipped one passes), 130 after Ctrl-C (the report holds the
-    stages that finished), else 1. run_tokens: the trainer's default run, for its duration."""
+    stages that finished), else 1. run_tokens: the tokens of the run the trainer starts with these flags."""
     names = [n for n in stages.split(',') if n]
     if unknown := [n for n in names if n not in [s[0] for s in STAGES]]:
         raise hg.UserError(f"--stages {','.join(unknown)}: unknown; the stages are {', '.join(s[0] for s in STAGES)}")
