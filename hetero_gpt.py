@@ -37,15 +37,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import prepare_data  # defines: load (checked token arrays), DataError
-from plumbing import checkpoints  # defines: resume, state, save_checkpoint, diverged,
-#   closing_sample
+from plumbing import checkpoints  # defines: resume, save, diverged, closing_sample
 from plumbing import distributed  # defines: rank0_first, rank_share, sum_over_ranks,
 #   check_same_weights, from_rank0, leave, exit_naming_stopped
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
 from plumbing import pretrained  # defines: load (OpenAI's GPT-2 in this layout)
-from plumbing import progress  # defines: logger, header, Metrics, Display, with_val, stop_run,
-#   ctrl_c_exits
+from plumbing import progress  # defines: logger, header, Metrics, Display, stop_run, ctrl_c_exits
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary,
 #   numpy_programs, check_shapes, coreml_predict, peaks
 from plumbing import settings  # defines: parse_args, import_coremltools, one_line,
@@ -1644,8 +1642,7 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
 
     def save(best=False):  # rank 0 writes ckpt.pt, and best.pt if best
         if rank == 0:
-            state = checkpoints.state(cfg, model, optimizer, step.split, engines, prog)
-            checkpoints.save_checkpoint(ckpt_path, state, best)
+            checkpoints.save(ckpt_path, cfg, model, optimizer, step.split, engines, prog, best)
 
     if prog.done(cfg):  # a resumed run may be done
         print(f"step {prog.it}, {prog.since_best} evaluations past the best (--max_iters "
@@ -1671,7 +1668,7 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
                 distributed.check_same_weights(model, prog.it)
                 val = evaluate(model, eval_engine, cfg, data['val'])
                 val = distributed.from_rank0(val)  # one stop decision for all ranks
-                row = progress.with_val(row, prog, val)
+                row = metrics.with_val(row, prog, val)
             if on_step:
                 row = on_step(prog, row, lambda: evaluate(model, eval_engine, cfg, data['val']))
             metrics.write(row)  # the log first, so a resumed run never lacks a row

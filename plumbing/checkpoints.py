@@ -105,6 +105,11 @@ def state(cfg, model, optimizer, split, engines, prog):
                 **{key: getattr(prog, name) for name, key in KEYS.items()})
 
 
+def save(path, cfg, model, optimizer, split, engines, prog, best=False):
+    """The run's state (state()) into ckpt.pt, and best.pt if best (save_checkpoint)."""
+    save_checkpoint(path, state(cfg, model, optimizer, split, engines, prog), best)
+
+
 def save_checkpoint(path, obj, best=False):
     """ckpt.pt is there and whole at every moment: the new checkpoint is written to a
     temporary file and synced to disk; the current one gets a second name, ckpt.prev.pt;

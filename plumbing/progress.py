@@ -203,6 +203,9 @@ class Metrics:
         return row | (own if world()[1] == 1 else dict(ranks=gather(own)))
 
 
+    def with_val(self, row, prog, val):  # row, with a scheduled evaluation's loss
+        return with_val(row, prog, val)
+
     def write(self, row):  # a row, if any, flushed: a resumed run reads it
         if row:
             self.file.write(json.dumps(row) + '\n')

@@ -685,12 +685,16 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
         phase[0], res, power = 'alone', {}, {}
         for name, engine, batch, n in (('gpu', gpu, gb, gpu_iters), ('ane', w, ab, ane_iters)):
             meter = PowermetricsMeter() if watts else None
-            t0, before = time.perf_counter(), dict(meter.parts) if meter else {}
-            res[f'{name}_alone'] = timed(engine, batch, n, seconds=3.0 if meter else 0.0)  # (a dozen samples)
-            if meter:
-                dt = time.perf_counter() - t0
-                power[f'{name}_alone_watts'] = {k: round((v - before.get(k, 0.0)) / dt, 2) for k, v in meter.parts.items()}
-                meter.close()
+            try:  # the meter's sudo and powermetrics end however the timing ends
+                t0, before = time.perf_counter(), dict(meter.parts) if meter else {}
+                res[f'{name}_alone'] = timed(engine, batch, n, seconds=3.0 if meter else 0.0)  # (a dozen samples)
+                if meter:
+                    dt = time.perf_counter() - t0
+                    power[f'{name}_alone_watts'] = {k: round((v - before.get(k, 0.0)) / dt, 2)
+                                                    for k, v in meter.parts.items()}
+            finally:
+                if meter:
+                    meter.close()
         phase[0] = 'beside'
         for busy, measured in (((w, ab), (gpu, gb, gpu_iters, 'gpu')), ((gpu, gb), (w, ab, ane_iters, 'ane'))):
             stop = threading.Event()

@@ -24,7 +24,8 @@ Switches, all environment variables:
   MACOS_DOUBLE_FAIL      load: the Neural Engine compile fails at load with an exception;
                          sigkill: the load succeeds and the first predict kills the process
   MACOS_DOUBLE_LOAD_SECONDS  seconds each Neural Engine load takes (its compile)
-  MACOS_DOUBLE_ANE_FALLBACK  1: a Neural Engine load runs the program on the CPU, silently
+  MACOS_DOUBLE_ANE_FALLBACK  1: a Neural Engine load runs the program on the CPU, silently;
+                         hidden: the same, but the compute plan still says the Neural Engine
   MACOS_DOUBLE_CPU_SLOWDOWN  a program on the CPU predicts this many times slower (default 1)
   MACOS_DOUBLE_SUDO      1: sudo -n has rights (default: none, as on most Macs)
   MACOS_DOUBLE_SUDO_TS   a folder: sudo's tickets (`sudo -v`), each its terminal's (bin/sudo)
@@ -34,6 +35,10 @@ Switches, all environment variables:
   MACOS_DOUBLE_LOG       a folder: the double notes compiles, loads and powermetrics there
   MACOS_DOUBLE_MPS       0: no MPS (torch.backends.mps.is_available() False, as on Linux)
   MACOS_DOUBLE_MPS_COPY  retain: non-blocking copies keep their source (the fixed Copy.mm)
+  MACOS_DOUBLE_MPS_SLOW  seconds of GPU work each backward pass on 'mps' queues; the next op or read
+                         in any thread waits for it, deaf to signals as Metal's wait is
+  MACOS_DOUBLE_MPS_SDPA  leaky: fp16/bf16 causal attention masked per group of four queries
+                         (pytorch #195910; the default before torch 2.14); exact: never
 """
 import importlib.abc
 import importlib.machinery
