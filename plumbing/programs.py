@@ -510,12 +510,12 @@ def ane_switches():
             raise UserError(f"{k}={v}: it takes {', '.join(ANE_SWITCHES[k])}")
     bias = os.environ.get('MACOS_DOUBLE_ANE_LUT_BIAS', '0')
     try:
-        out['MACOS_DOUBLE_ANE_LUT_BIAS'] = float(bias)
+        b = float(bias)
     except ValueError:
-        out['MACOS_DOUBLE_ANE_LUT_BIAS'] = -1.0
-    if not 0 <= out['MACOS_DOUBLE_ANE_LUT_BIAS'] < 1:
+        b = math.nan  # refused below
+    if not 0 <= b < 1:
         raise UserError(f"MACOS_DOUBLE_ANE_LUT_BIAS={bias}: it takes a number in [0, 1)")
-    return out
+    return out | {'MACOS_DOUBLE_ANE_LUT_BIAS': b}
 
 
 def lut_error(x, size):
