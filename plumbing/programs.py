@@ -377,12 +377,35 @@ def _alive(pid):
 
 
 LOADED = {}  # piece -> (seconds its load took, its ANE share of ops or None)
+# A first load on a Mac is the ANE's compile (coreml_and_ane.md section 1): ~0.5 s for one
+# layer and ~160 s for an 8-layer program (ANEForge), 40 min for 32 blocks in one model.
+LOAD_ESTIMATE = "seconds to a few minutes (an estimate from other programs, not yet measured here)"
+LOAD_SECONDS = 'LOAD_SECONDS'  # beside DONE: the last load's time on this Mac
 
 
-def load_compiled(programs, piece, load):
+def loading_line(programs, piece, compiled):
+    """What the load of one program is, which of the folder's, and what time to expect:
+    the last load's on this Mac, else LOAD_ESTIMATE."""
+    try:
+        with open(os.path.join(programs, META)) as f:
+            pieces = json.load(f)['pieces']
+        where = f", {pieces.index(piece) + 1} of {len(pieces)}"
+    except (OSError, ValueError, KeyError):
+        where = ''
+    try:
+        with open(os.path.join(compiled, LOAD_SECONDS)) as f:
+            expect = f"its last load here took {float(f.read()):.1f} s"
+    except (OSError, ValueError):
+        expect = LOAD_ESTIMATE
+    return f"loading {piece} onto the Neural Engine{where}: {expect}"
+
+
+def load_compiled(programs, piece, load, log=print):
     """load(path of the compiled program), timed, and where Core ML places it (LOADED); a
-    cached entry that fails to load is compiled again, once."""
+    cached entry that fails to load is compiled again, once. log: which program loads and
+    what time to expect; the time taken is kept beside it for the next load."""
     path, cached = compiled_model(programs, piece)
+    log(loading_line(programs, piece, path))
     t0 = time.perf_counter()
     try:
         model = load(path)
@@ -393,7 +416,13 @@ def load_compiled(programs, piece, load):
         path = compiled_model(programs, piece)[0]
         t0 = time.perf_counter()
         model = load(path)
-    LOADED[piece] = (time.perf_counter() - t0, macos_placement(path).get('ane_share_of_ops'))
+    seconds = time.perf_counter() - t0
+    LOADED[piece] = (seconds, macos_placement(path).get('ane_share_of_ops'))
+    try:
+        with open(os.path.join(path, LOAD_SECONDS), 'w') as f:
+            f.write(f"{seconds:.3f}")
+    except OSError:  # a read-only cache: the estimate stays
+        pass
     return model
 
 
@@ -481,12 +510,12 @@ def ane_switches():
             raise UserError(f"{k}={v}: it takes {', '.join(ANE_SWITCHES[k])}")
     bias = os.environ.get('MACOS_DOUBLE_ANE_LUT_BIAS', '0')
     try:
-        out['MACOS_DOUBLE_ANE_LUT_BIAS'] = float(bias)
+        b = float(bias)
     except ValueError:
-        out['MACOS_DOUBLE_ANE_LUT_BIAS'] = -1.0
-    if not 0 <= out['MACOS_DOUBLE_ANE_LUT_BIAS'] < 1:
+        b = math.nan  # refused below
+    if not 0 <= b < 1:
         raise UserError(f"MACOS_DOUBLE_ANE_LUT_BIAS={bias}: it takes a number in [0, 1)")
-    return out
+    return out | {'MACOS_DOUBLE_ANE_LUT_BIAS': b}
 
 
 def lut_error(x, size):

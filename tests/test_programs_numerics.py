@@ -217,3 +217,50 @@ def test_the_ane_modes_tables_are_inexact_by_default(shape, monkeypatch):
         assert rel['exact'].max() <= 2 * 2.0 ** -11 * 1.01, name
         assert 2 * 2.0 ** -11 < rel['default'].max() <= programs.LUT_ERROR[name] + 3 * 2.0 ** -11 * 1.01, name
         assert np.array_equal(*(programs.numpy_predict(prog, ane=True)({'x': x})['y'] for _ in range(2)))
+
+
+LOADS = """
+import json, time, coremltools as ct
+from plumbing import programs
+lines = []
+log = lambda s: lines.append([time.monotonic(), s])
+started = []
+def load(compiled):  # Core ML's load, after the line is out
+    started.append(time.monotonic())
+    return ct.models.CompiledMLModel(compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
+rounds = []
+for _ in range(2):
+    for piece in ('block_forward', 'head', 'block_backward'):
+        programs.load_compiled('p', piece, load, log)
+    rounds.append({p: t for p, (t, _) in programs.LOADED.items()})
+print(json.dumps(dict(lines=lines, started=started, rounds=rounds)))
+"""
+
+
+def test_each_load_says_which_program_and_what_to_expect(exported, tmp_path):
+    # Under the macOS double, each Neural Engine load (the ANE's compile) takes
+    # MACOS_DOUBLE_LOAD_SECONDS = 0.5 s. Before each, one line names the program, its place
+    # among the folder's three, and the time to expect: the notes' estimate the first time,
+    # the last load's own time after.
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(exported(**helpers.PROGRAMS), tmp_path / 'p')
+    env = dict(os.environ, HETERO_MACOS_DOUBLE='1', MACOS_DOUBLE_LOAD_SECONDS='0.5',
+               PYTHONPATH=os.pathsep.join([os.path.join(root, 'tests', 'macos_double'), root]))
+    r = subprocess.run([sys.executable, '-c', LOADS], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    said = [s for _, s in out['lines']]
+    order = ('block_forward', 'head', 'block_backward')
+    where = {p: f"loading {p} onto the Neural Engine, {hg.ANE_PIECES.index(p) + 1} of 3: "
+             for p in order}
+    assert said[:3] == [where[p] + programs.LOAD_ESTIMATE for p in order], said
+    last = out['rounds'][0]
+    assert said[3:] == [where[p] + f"its last load here took {last[p]:.1f} s" for p in order], said
+    assert all(t < s for (t, _), s in zip(out['lines'], out['started']))  # said before it waits
+    assert all(t >= 0.5 for r in out['rounds'] for t in r.values())
