@@ -122,8 +122,8 @@ class Config(GPTConfig):
                                               "to start and compile its programs")
     loss_scale: float = setting(1024.0, "GPU engine's initial fp16 loss scale (dynamic: "
                                         "x2 after scale_window finite steps, /2 on overflow)")
-    ane_loss_scale: float = setting(256.0, "ANE engine's initial loss scale "
-                                           "(as published ANE training); "
+    ane_loss_scale: float = setting(4096.0, "ANE engine's initial loss scale "
+                                           "(keeps gradients above fp16's subnormals); "
                                            "grows only far from fp16's max")
     scale_window: int = setting(200, "finite steps before the fp16 loss scale grows")
     compile: bool = setting(False, "torch.compile the GPU engine's model")
@@ -304,6 +304,7 @@ def gpt_param_shapes(cfg):
 #   peaks           matmul results' largest |value|s
 
 GELU_K = math.sqrt(2.0 / math.pi)
+PROBS_UP = 16.0  # the LM head's softmax, scaled up in its backward's matmuls
 
 # weight name -> (nanoGPT's name under transformer.h.{l}, third of c_attn's rows)
 # The host slices the (3C, C) c_attn in thirds, so programs need no split or concat.
@@ -489,14 +490,17 @@ class Derivation:
         # dW_c = softmax_c^T (r x) and dx_c = r (softmax_c W_c)
         # r scales the (N, C) operands, 16x fewer numbers than the (N, Vc) matrix
         # onehot adds -dloss W[target] to dx and -dloss x to the target rows
+        # The softmax enters the matmuls times PROBS_UP, and their results are divided by it.
+        # A probability of a 12608-row chunk, 1/12608 on average, is near fp16's smallest
+        # normal number 2^-14, which an ANE matmul may flush to 0 (coreml_and_ane.md section 2).
         x, z, lse_c, lse = cache
         dx = None
         dws = []
         for w, zc, lc in zip(chunks, z, lse_c):
-            probs = self.softmax(zc, -1)  # (N, Vc)
+            probs = self.exp(zc - (lc - math.log(PROBS_UP)))  # softmax_c(z) * PROBS_UP, (N, Vc)
             r = self.exp(lc - lse) * dloss  # (N, 1)
-            dws.append(self.matmul(probs, x * r, ta=True))
-            dxc = self.matmul(probs, w) * r
+            dws.append(self.matmul(probs, x * r, ta=True) * (1.0 / PROBS_UP))
+            dxc = self.matmul(probs, w) * (r * (1.0 / PROBS_UP))
             dx = dxc if dx is None else dx + dxc
         return dx - w_tgt * dloss, dws, -x * dloss
 

@@ -224,7 +224,7 @@ def test_the_trainer_runs_the_worker_on_the_cpu(tmp_path, monkeypatch):
         assert sys.getswitchinterval() == plumbing_worker.SWITCH_S < 5e-3
         assert (engines['ane'].spec.threads, torch.get_num_threads()) == (7, 8)
         assert isinstance(engines['ane'], plumbing_worker.WorkerEngine) and 'float16' in engines['ane'].label
-        assert engines['ane'].scaler.scale == 256.0 and engines['ane'].proc.is_alive()
+        assert engines['ane'].scaler.scale == 4096.0 and engines['ane'].proc.is_alive()
         out = step([tuple(torch.randint(0, 50, (8, 8)) for _ in range(2)) for _ in range(2)])
         assert out.used == ['ane', 'gpu'] and out.shares['ane'].n == 1
     finally:
