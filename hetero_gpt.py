@@ -43,7 +43,8 @@ from plumbing import distributed  # defines: rank0_first, rank_share, sum_over_r
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
 from plumbing import pretrained  # defines: load (OpenAI's GPT-2 in this layout)
-from plumbing import progress  # defines: logger, header, Metrics, Display, stop_run, ctrl_c_exits
+from plumbing import progress  # defines: logger, header, Metrics, Display, defer_ctrl_c, stop_run,
+#   ctrl_c_exits
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary,
 #   numpy_programs, check_shapes, coreml_predict, peaks
 from plumbing import settings  # defines: parse_args, import_coremltools, one_line,
@@ -305,6 +306,7 @@ def gpt_param_shapes(cfg):
 
 GELU_K = math.sqrt(2.0 / math.pi)
 PROBS_UP = 16.0  # the LM head's softmax, scaled up in its backward's matmuls
+DS_UP = 64.0  # attention's dS, likewise
 
 # weight name -> (nanoGPT's name under transformer.h.{l}, third of c_attn's rows)
 # The host slices the (3C, C) c_attn in thirds, so programs need no split or concat.
@@ -403,9 +405,11 @@ class Derivation:
             att = self.attention_probs(q, k, T)
         dv = self.matmul(att, dy, ta=True)
         datt = self.matmul(dy, v, tb=True)
-        ds = att * (datt - self.sum(datt * att, -1)) * scale
-        dq = self.matmul(ds, k)
-        dk = self.matmul(ds, q, ta=True)
+        # dS enters the matmuls times DS_UP, their results divided by it: its values are
+        # products of probabilities, below fp16's normal range, which an ANE matmul may flush
+        ds = att * (datt - self.sum(datt * att, -1)) * (scale * DS_UP)
+        dq = self.matmul(ds, k) * (1.0 / DS_UP)
+        dk = self.matmul(ds, q, ta=True) * (1.0 / DS_UP)
         return self.merge_heads(dq, B, T), self.merge_heads(dk, B, T), self.merge_heads(dv, B, T)
 
     # ---- QKV projection: q = a Wq^T + bq, and likewise k and v
@@ -884,8 +888,12 @@ class Engine:
     - loss_and_grads(idx, targets) -> (0-dim loss, {param name: gradient}) of one microbatch,
       fp32 tensors (fp64 in fp64 runs) that the caller owns;
     - load_weights(params), once per step;
+    - close(), at the run's end;
     - name ('gpu' or 'ane'), label, device, scaler (a LossScaler)."""
     def load_weights(self, params):
+        pass
+
+    def close(self):
         pass
 
 
@@ -1479,10 +1487,12 @@ class HeteroStep:
         return result
 
     def close(self):
-        """Ends the step's threads once they are idle. One still busy after Ctrl-C stops after
-        its microbatch, and the process does not wait for it (progress.exit_now_if_busy)."""
+        """Ends the step's threads. After Ctrl-C mid-step a busy one stops after its
+        microbatch, and the process does not wait for it (progress.exit_now_if_busy)."""
         for pool in [*self.threads.values(), self.reader]:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=not self.stop.is_set(), cancel_futures=True)
+        for engine in self.engines.values():  # the ANE worker's process
+            engine.close()
 
 
 # -----------------------------------------------------------------------------
@@ -1659,7 +1669,8 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
             t0 = time.perf_counter()
             microbatches = distributed.rank_share(step_batches(cfg, data['train'], prog.it))
             result = step(microbatches)  # both engines, the mean gradient into p.grad
-            step.update(result, cfg.grad_clip)  # one AdamW step
+            with progress.defer_ctrl_c():  # an update is made whole, or not at all
+                step.update(result, cfg.grad_clip)  # one AdamW step
             prog.stepped(result, tok_per_step, time.perf_counter() - t0)
             if cfg.max_bad_steps and prog.bad >= cfg.max_bad_steps:  # diverged: no checkpoint
                 raise checkpoints.diverged(cfg, prog.it, prog.bad, result.loss, engines, ckpt_path)

@@ -14,6 +14,8 @@ import time
 
 from tqdm import tqdm
 
+tqdm.monitor_interval = 0  # no monitor thread: every thread a run starts ends with it
+
 from .distributed import gather, world
 from .memory import measured
 
@@ -387,10 +389,20 @@ def children_ignore_ctrl_c():
             signal.signal(signal.SIGINT, before)
 
 
+@contextlib.contextmanager
 def hold_ctrl_c():
-    """A second Ctrl-C while the first is being handled (a checkpoint saved) is ignored; the
-    handler comes back after, so a caller that goes on (and what it starts) can be stopped."""
-    return children_ignore_ctrl_c()  # the same: SIGINT ignored inside, restored after
+    """A second Ctrl-C (or SIGTERM, SIGHUP) while the first is being handled (a checkpoint
+    saved) is ignored; the handlers come back after, so a caller that goes on can be stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in stops}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 @contextlib.contextmanager
