@@ -120,21 +120,25 @@ with progress.ctrl_c_exits():
 def trainer(note):
     """The trainer above, in a process group of its own (a terminal's Ctrl-C reaches a group),
     once its worker is in the call: (process, the worker's pid, its shared memory's names).
-    Whatever is left of the group is killed after."""
+    Whatever is left of the group is killed after, its memory unlinked."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')]))
     p = subprocess.Popen([sys.executable, '-c', TRAINER, str(note)], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
                          start_new_session=True)
+    names = []
     try:
         pid, *names = p.stdout.readline().split()
         wait_for(note)
         yield p, int(pid), names
     finally:
         try:
-            os.killpg(p.pid, signal.SIGKILL)
+            os.killpg(p.pid, signal.SIGKILL)  # the resource tracker too: so unlinked here
         except ProcessLookupError:
             pass
         p.communicate()
+        for n in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f'/dev/shm/{n.lstrip("/")}')
 
 
 def worker_gone(pid, names, seconds):
