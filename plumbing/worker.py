@@ -16,6 +16,10 @@ A worker that dies (a failed ANE compile kills it by SIGKILL at its first predic
 docs/coreml_and_ane.md section 1), does not answer within its timeout, or raises, raises
 WorkerFault here: HeteroStep retires the engine and the GPU engine runs its share.
 
+Stopping it, however the trainer ends: close() asks an idle worker to stop and kills a busy
+one, whose answer nobody wants; Ctrl-C calls close() for every worker (progress.ON_INTERRUPT).
+A trainer that is killed or calls os._exit leaves a worker that exits on its own.
+
 Off macOS the same worker runs the engine with a stand-in for Core ML (the eager derivation
 on the CPU, or the exported programs in NumPy), so the process boundary, the buffers, the
 timeouts and every fault path run everywhere.
@@ -38,12 +42,13 @@ from . import progress
 from .memory import max_rss
 from .settings import ON_MAC, UserError, one_line
 
-
-# Each exchange call that releases the GIL must take it back from the GPU engine's thread.
-# That thread holds it between kernel launches and yields it to a waiter after one switch interval.
-# So a process that trains with a worker sets the interval to 0.5 ms, not CPython's 5 ms
-# (hetero_gpt.build_engines, once). A thread is asked to yield only while another waits.
-# CPython's source and the measurements are in benchmarks/RESULTS.md section 15.
+# The GIL's switch interval for a process that trains with a worker.
+# Each exchange call releases the GIL, then must take it back.
+# The GPU engine's thread holds it between kernel launches.
+# It yields to a waiter after one switch interval.
+# So 0.5 ms, not CPython's 5 ms (set once, in hetero_gpt.build_engines).
+# A thread is asked to yield only while another waits.
+# CPython's source and the timings: benchmarks/RESULTS.md section 15.
 SWITCH_S = 5e-4
 
 
@@ -76,31 +81,36 @@ class Buffers:
     def __init__(self, shapes, B, T, names=None):
         n = sum(math.prod(s) for s in shapes.values())
         sizes = dict(w=4 * n, g=4 * n, batch=8 * 2 * B * T)
-        self.shm, self.owner = {}, names is None
+        self.shm = {}
+        self.owner = names is None
         try:
-            if self.owner and os.path.isdir('/dev/shm'):  # a full tmpfs fails at the first write, by SIGBUS
+            if self.owner and os.path.isdir('/dev/shm'):  # a full tmpfs fails later, by SIGBUS
                 st = os.statvfs('/dev/shm')
                 if st.f_bavail * st.f_frsize < sum(sizes.values()):
                     raise OSError(f"/dev/shm has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free")
             for k, size in sizes.items():
-                self.shm[k] = (shared_memory.SharedMemory(create=True, size=size) if self.owner
-                               else shared_memory.SharedMemory(name=names[k]))
+                if self.owner:
+                    self.shm[k] = shared_memory.SharedMemory(create=True, size=size)
+                else:
+                    self.shm[k] = shared_memory.SharedMemory(name=names[k])
         except OSError as e:
             self.close()
-            raise UserError(f"could not allocate {sum(sizes.values()) / 2**20:.0f} MiB of shared memory for the "
-                               f"ANE worker ({e}): free memory (or /dev/shm), use a smaller model, or run the ANE "
-                               "engine in this process with --ane_worker false") from None
+            raise UserError(f"could not allocate {sum(sizes.values()) / 2**20:.0f} MiB of shared "
+                            f"memory for the ANE worker ({e}): free memory (or /dev/shm), use a "
+                            "smaller model, or run the ANE engine in this process with "
+                            "--ane_worker false") from None
         self.flat = {k: np.ndarray((n,), np.float32, buffer=self.shm[k].buf) for k in ('w', 'g')}
-        self.w, self.g = views(self.flat['w'], shapes), views(self.flat['g'], shapes)
+        self.w = views(self.flat['w'], shapes)
+        self.g = views(self.flat['g'], shapes)
         self.batch = np.ndarray((2, B, T), np.int64, buffer=self.shm['batch'].buf)
         self.names = {k: m.name for k, m in self.shm.items()}
 
     def close(self):
-        self.flat = self.w = self.g = self.batch = None  # views first, as a buffer with views cannot close
+        self.flat = self.w = self.g = self.batch = None  # views first: they block close
         for m in self.shm.values():
             try:
                 m.close()
-            except BufferError:  # a view still held; the mapping goes with the process
+            except BufferError:  # a view still held; unmapped at exit
                 pass
             if self.owner:
                 m.unlink()
@@ -123,13 +133,14 @@ def share_cores(gpu_on_cpu):
 
 def exit_with_parent():
     """Ends the worker once the trainer is gone, even mid-call."""
-    multiprocessing.parent_process().join()  # its sentinel: the end of a pipe only the trainer holds
+    multiprocessing.parent_process().join()  # a pipe end only the trainer holds
     os._exit(1)
 
 
 def serve(conn, names, spec, make):
-    """The worker's loop: ('run', b, loss scale, new weights?) -> ('done', loss, peak, seconds, max_rss)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the trainer stops the worker
+    """The worker's loop:
+    ('run', b, loss scale, new weights?) -> ('done', loss, peak, seconds, max_rss)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the trainer handles it
     threading.Thread(target=exit_with_parent, daemon=True, name='exit-with-parent').start()
     try:
         torch.set_num_threads(spec.threads)
@@ -152,16 +163,19 @@ def serve(conn, names, spec, make):
             t0 = time.perf_counter()
             if new_weights:
                 engine.load_weights(params)
-            engine.scaler.scale, engine.scaler.peak = scale, 0.0
-            loss, grads = engine.loss_and_grads(*(torch.from_numpy(bufs.batch[i, :b]) for i in (0, 1)))
+            engine.scaler.scale = scale
+            engine.scaler.peak = 0.0
+            batch = (torch.from_numpy(bufs.batch[i, :b]) for i in (0, 1))
+            loss, grads = engine.loss_and_grads(*batch)
             for k, g in grads.items():
                 np.copyto(bufs.g[k], g.numpy())
-            conn.send(('done', float(loss), engine.scaler.peak, time.perf_counter() - t0, max_rss()))
+            seconds = time.perf_counter() - t0
+            conn.send(('done', float(loss), engine.scaler.peak, seconds, max_rss()))
         except Exception as e:
             conn.send(('error', one_line(e)))
 
 
-_live = weakref.WeakSet()  # every worker up, stopped at once when Ctrl-C exits
+_live = weakref.WeakSet()  # every worker up, for close_all
 
 
 def close_all():
@@ -173,14 +187,15 @@ progress.ON_INTERRUPT.append(close_all)
 
 
 class Link:
-    """What stops a worker: its process, pipe and buffers. The finalizer holds this, not the engine."""
+    """What stopping a worker needs: its process, pipe and buffers, and whether a call is
+    under way. The finalizer holds this, not the engine."""
 
     def __init__(self, proc, conn, bufs):
         self.proc = proc
         self.conn = conn
         self.bufs = bufs
         self.lock = threading.Lock()  # one sender on the pipe at a time
-        self.busy = False  # a call is under way
+        self.busy = False  # a call or the start is under way
         self.closed = False
 
 
@@ -194,36 +209,47 @@ class WorkerEngine:
     name = 'ane'
     device = torch.device('cpu')
 
-    def __init__(self, spec, make, scaler, log=print, load_timeout=3600.0, timeout_factor=10.0, min_timeout=60.0):
-        self.scaler, self.spec, self.shapes = scaler, spec, spec.shapes  # (shapes: worked out once)
-        self.load_timeout, self.factor, self.min_timeout = load_timeout, timeout_factor, min_timeout
-        self.label, self.new_weights = f"ANE worker ({spec.evaluator})", False
-        self.seconds, self.slowest = None, 0.0  # the worker's seconds, last call and slowest per sequence
-        self.max_rss = None  # the worker's peak resident memory, bytes
+    def __init__(self, spec, make, scaler, log=print, load_timeout=3600.0, timeout_factor=10.0,
+                 min_timeout=60.0):
+        self.scaler = scaler
+        self.spec = spec
+        self.shapes = spec.shapes  # worked out once
+        self.load_timeout = load_timeout
+        self.factor = timeout_factor
+        self.min_timeout = min_timeout
+        self.label = f"ANE worker ({spec.evaluator})"
+        self.new_weights = False
+        self.seconds = None  # the worker's seconds for the last call
+        self.slowest = 0.0  # its slowest seconds per sequence
+        self.max_rss = None  # its peak resident memory, bytes
         self.bufs = Buffers(self.shapes, spec.max_batch, spec.T)
         ctx = multiprocessing.get_context('spawn')
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, self.bufs.names, spec, make), name='ane-worker', daemon=True)
+        self.proc = ctx.Process(target=serve, args=(child, self.bufs.names, spec, make),
+                                name='ane-worker', daemon=True)
         self.link = Link(self.proc, self.conn, self.bufs)
-        # stopped when this engine is freed or at exit, by a finalizer without a reference to it
+        # stopped when this engine is freed or at exit
         self._stop = weakref.finalize(self, _shutdown, self.link)
         _live.add(self)
         what = "starting the ANE worker"
         if ON_MAC:
-            log(f"{what}: it compiles the Core ML programs for the Neural Engine, which the first time may take "
-                "many minutes (Ctrl-C stops it safely); later starts load them from the cache")
+            log(f"{what}: it compiles the Core ML programs for the Neural Engine, which the first "
+                "time may take many minutes (Ctrl-C stops it safely); later starts load them "
+                "from the cache")
+            what += " (compiling for the Neural Engine)"
         try:
-            with progress.Ticker(what + (" (compiling for the Neural Engine)" if ON_MAC else '')):
+            with progress.Ticker(what):
                 with progress.children_ignore_ctrl_c():  # the trainer stops it
                     self.proc.start()
                 child.close()
-                self.link.busy = True  # its compile: a close kills it at once
+                self.link.busy = True  # a close during the compile kills it
                 (self.label,) = self._wait(load_timeout, 'starting')
                 self.link.busy = False
         except (WorkerFault, OSError) as e:
             self.close()
-            raise UserError(f"the ANE worker could not start: {e}; --mode gpu trains without it") from None
-        except KeyboardInterrupt:  # Ctrl-C while it compiles stops it and frees its memory
+            text = f"the ANE worker could not start: {e}; --mode gpu trains without it"
+            raise UserError(text) from None
+        except KeyboardInterrupt:  # Ctrl-C during the compile
             self.close()
             raise
 
@@ -231,8 +257,8 @@ class WorkerEngine:
         w = self.bufs.w
         if {k: tuple(p.shape) for k, p in params.items()} != {k: v.shape for k, v in w.items()}:
             raise UserError(f"the ANE worker was started for another model ({self.spec.cfg})")
-        # once per step, one call that releases the GIL once, not once per tensor
-        # PyTorch's source and the GIL waits are in benchmarks/RESULTS.md section 15
+        # one call a step, so the GIL is released once
+        # why: benchmarks/RESULTS.md section 15
         with torch.no_grad():
             torch._foreach_copy_([torch.from_numpy(v) for v in w.values()], [params[k] for k in w])
         self.new_weights = True
@@ -240,10 +266,10 @@ class WorkerEngine:
     def loss_and_grads(self, idx, targets):
         b, t = idx.shape
         if b > self.spec.max_batch or t != self.spec.T:
-            raise UserError(f"the ANE worker takes up to {self.spec.max_batch}x{self.spec.T} tokens a "
-                               f"call, not {b}x{t}")
+            raise UserError(f"the ANE worker takes up to {self.spec.max_batch}x{self.spec.T} "
+                            f"tokens a call, not {b}x{t}")
         link = self.link
-        with link.lock:  # views taken here keep the memory mapped, even past close()
+        with link.lock:  # these views keep the memory mapped past close()
             closed = link.closed
             if not closed:
                 batch = link.bufs.batch
@@ -254,7 +280,7 @@ class WorkerEngine:
             raise self._fault(f"is not running ({exit_text(link.proc.exitcode)})")
         for i, t in enumerate((idx, targets)):
             np.copyto(batch[i, :b], t.cpu().numpy())
-        with link.lock:  # close() sends 'stop' under the same lock
+        with link.lock:  # close() sends 'stop' under this lock too
             sent = not link.closed
             if sent:
                 link.busy = True
@@ -262,25 +288,31 @@ class WorkerEngine:
         if not sent:
             raise self._fault("was stopped")
         self.new_weights = False
-        # the gradients' new home, in NumPy memory, which gets huge pages on Linux
-        # faulted in while the worker computes, so the copy below only copies
-        # fill runs on one thread, without the GIL (benchmarks/RESULTS.md section 15)
+        # the gradients' new home, faulted in while the worker computes
+        # NumPy memory gets huge pages on Linux
+        # fill runs on one thread, without the GIL
+        # so the copy below only copies (RESULTS.md section 15)
         try:
             flat = np.empty_like(grads)
             flat.fill(0)
         except BaseException:  # the worker's answer would be left unread
             self.close()
             raise
-        timeout = max(self.min_timeout, self.factor * b * self.slowest) if self.seconds is not None else self.load_timeout
+        if self.seconds is None:
+            timeout = self.load_timeout
+        else:
+            timeout = max(self.min_timeout, self.factor * b * self.slowest)
         loss, peak, seconds, self.max_rss = self._wait(timeout, f"computing {b} sequences")
         link.busy = False
-        self.seconds, self.slowest = seconds, max(self.slowest, seconds / b)
+        self.seconds = seconds
+        self.slowest = max(self.slowest, seconds / b)
         self.scaler.peak = max(self.scaler.peak, peak)
-        # one copy of the whole block, since copy_ releases the GIL
-        # and taking it back beside a busy thread waits a switch interval
-        # from_numpy and views keep the GIL (benchmarks/RESULTS.md section 15)
+        # one copy of the whole block: copy_ releases the GIL
+        # taking it back beside a busy thread waits a switch interval
+        # from_numpy and views keep the GIL (RESULTS.md section 15)
         torch.from_numpy(flat).copy_(torch.from_numpy(grads))
-        return torch.tensor(loss), {k: torch.from_numpy(v) for k, v in views(flat, self.shapes).items()}
+        grads = {k: torch.from_numpy(v) for k, v in views(flat, self.shapes).items()}
+        return torch.tensor(loss), grads
 
     def _wait(self, timeout, what):
         """The worker's answer, waiting without the GIL (a pipe's poll); a fault if none comes."""
@@ -293,15 +325,16 @@ class WorkerEngine:
                 raise self._fault(f"was stopped while {what}")
             if not proc.is_alive() and not conn.poll(0):
                 raise self._fault(f"died while {what} ({exit_text(proc.exitcode)})")
-            if time.monotonic() >= deadline:  # killed, as a hung worker would not read a request to stop
+            if time.monotonic() >= deadline:  # killed: a hung worker reads no 'stop'
                 proc.kill()
-                raise self._fault(f"did not finish {what} within {timeout:.0f} s, so it was stopped")
+                raise self._fault(f"did not finish {what} within {timeout:.0f} s, so it was "
+                                  "stopped")
         try:
             msg = conn.recv()
-        except (EOFError, OSError):  # it is gone; its exit status comes once it is reaped
+        except (EOFError, OSError):  # it is gone
             if link.closed:
                 raise self._fault(f"was stopped while {what}") from None
-            proc.join(5)
+            proc.join(5)  # reaped, for its exit status
             raise self._fault(f"died while {what} ({exit_text(proc.exitcode)})") from None
         if msg[0] == 'error':
             raise self._fault(f"raised while {what}: {msg[1]}")
@@ -309,13 +342,17 @@ class WorkerEngine:
 
     def _fault(self, text):
         self.close()
-        hint = ("; on a Mac that is what a failed Neural Engine compile does at the first predict (coremltools "
-                "#2758), and a smaller --ane_batch_size makes smaller programs") if ON_MAC and 'SIGKILL' in text else ''
-        return WorkerFault(f"{self.label} {text}{hint}; `python export_ane.py --check` tests the ANE path alone")
+        hint = ''
+        if ON_MAC and 'SIGKILL' in text:
+            hint = ("; on a Mac that is what a failed Neural Engine compile does at the first "
+                    "predict (coremltools #2758), and a smaller --ane_batch_size makes smaller "
+                    "programs")
+        return WorkerFault(f"{self.label} {text}{hint}; `python export_ane.py --check` tests the "
+                           "ANE path alone")
 
     def close(self):
-        """Stops the worker (asked first, killed if busy or deaf) and frees the shared memory.
-        Idempotent; any thread; a Ctrl-C meanwhile is ignored, as a half-done close would leak."""
+        """Stops the worker and frees the shared memory; idempotent, from any thread. A Ctrl-C
+        meanwhile is ignored: a close cut short would leave both behind."""
         with progress.hold_ctrl_c():
             self._stop()
         self.proc = self.bufs = None
@@ -333,7 +370,7 @@ def _shutdown(link):  # weakref.finalize calls it at most once per worker
                 pass
     if ask:
         proc.join(5)
-    if proc.is_alive():  # mid-call its answer is not wanted: killed at once
+    if proc.is_alive():  # busy or deaf: killed at once
         proc.kill()
         proc.join()
     link.bufs.close()

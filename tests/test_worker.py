@@ -263,7 +263,8 @@ def test_close_during_a_call_ends_the_call_at_once(worker, tmp_path):
         t0 = time.monotonic()
         w.close()
         assert time.monotonic() - t0 < 2.0
-        with pytest.raises(plumbing_worker.WorkerFault, match='was stopped while computing 4 sequences'):
+        stopped = 'was stopped while computing 4 sequences'
+        with pytest.raises(plumbing_worker.WorkerFault, match=stopped):
             call.result(timeout=2.0)
     assert proc.exitcode == -signal.SIGKILL and proc not in multiprocessing.active_children()
     assert gone(names)
