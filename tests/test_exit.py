@@ -89,7 +89,6 @@ print('threads left:', sorted(left))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="train leaves tqdm's monitor and the step's pools running")
 def test_a_finished_run_leaves_no_thread(shakespeare, tmp_path):
     # Once main returns, every thread the run started has ended: the engines' pools, tqdm's
     # monitor, the meter's reader. One left is what CPython may end inside a PyTorch op.

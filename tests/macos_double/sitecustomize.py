@@ -35,6 +35,10 @@ Switches, all environment variables:
   MACOS_DOUBLE_LOG       a folder: the double notes compiles, loads and powermetrics there
   MACOS_DOUBLE_MPS       0: no MPS (torch.backends.mps.is_available() False, as on Linux)
   MACOS_DOUBLE_MPS_COPY  retain: non-blocking copies keep their source (the fixed Copy.mm)
+  MACOS_DOUBLE_ANE_LUT   knots (default) or hash: the tables' error shape (plumbing/programs.py)
+  MACOS_DOUBLE_ANE_LUT_BIAS  a bias of one sign on every table (default 0)
+  MACOS_DOUBLE_ANE_SUBNORMALS  matmul (default, M1), keep (M5) or all
+  MACOS_DOUBLE_ANE_NAN   engine (default, M1: NaN in is +65504, NaN out is +0) or ieee
   MACOS_DOUBLE_MPS_SLOW  seconds of GPU work each backward pass on 'mps' queues; the next op or read
                          in any thread waits for it, deaf to signals as Metal's wait is
   MACOS_DOUBLE_MPS_SDPA  leaky: fp16/bf16 causal attention masked per group of four queries
