@@ -263,7 +263,7 @@ def export_programs(cfg, B, T, path, build, pieces):
     ct = import_coremltools()
     if os.path.lexists(path) and not is_programs(path):
         raise UserError(f"{path} exists and is not a folder of HeteroEngine programs: refusing to overwrite "
-                        "it; choose another --out")
+                        "it; name another folder")
     tmp = path.rstrip('/') + f'.tmp{os.getpid()}'
     shutil.rmtree(tmp, ignore_errors=True)
     try:

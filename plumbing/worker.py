@@ -97,8 +97,8 @@ class Buffers:
             self.close()
             raise UserError(f"could not allocate {sum(sizes.values()) / 2**20:.0f} MiB of shared "
                             f"memory for the ANE worker ({e}): free memory (or /dev/shm), use a "
-                            "smaller model, or run the ANE engine in this process with "
-                            "--ane_worker false") from None
+                            "smaller model, or train with the ANE engine in this process, "
+                            "`python hetero_gpt.py --ane_worker false`") from None
         self.flat = {k: np.ndarray((n,), np.float32, buffer=self.shm[k].buf) for k in ('w', 'g')}
         self.w = views(self.flat['w'], shapes)
         self.g = views(self.flat['g'], shapes)
@@ -247,7 +247,8 @@ class WorkerEngine:
                 self.link.busy = False
         except (WorkerFault, OSError) as e:
             self.close()
-            text = f"the ANE worker could not start: {e}; --mode gpu trains without it"
+            text = (f"the ANE worker could not start: {e}; "
+                    "`python hetero_gpt.py --mode gpu` trains without it")
             raise UserError(text) from None
         except KeyboardInterrupt:  # Ctrl-C during the compile
             self.close()

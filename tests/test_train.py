@@ -289,11 +289,16 @@ def test_auto_split_gives_the_ane_nothing_where_the_gpu_alone_is_faster():
         assert given[9:] == [want(s) for s in range(10, 121)], (alone_s, given)
 
 
-def test_a_hetero_step_times_itself_for_the_split():
+def test_a_hetero_step_times_itself_for_the_split(monkeypatch):
     # each updated step over both engines reports its share and time to the split: step 10
     # runs the GPU engine alone (the ANE is not called), and both kinds of step are timed
+    # (the step's clock is the test's: the GPU 0.01 s a microbatch, the ANE 0.02 s, so the
+    # share is round(4 * (1/0.02) / (1/0.01 + 1/0.02)) = 1)
+    clock = Clock()
+    monkeypatch.setattr(hg, 'time', clock)
     model = tiny_model()
-    eng = {'gpu': FakeEngine('gpu', 0, const_grads(model, 1.0)), 'ane': FakeEngine('ane', 0, const_grads(model, 1.0))}
+    eng = {'gpu': FakeEngine('gpu', 0.01, const_grads(model, 1.0), clock=clock),
+           'ane': FakeEngine('ane', 0.02, const_grads(model, 1.0), clock=clock)}
     step = hg.HeteroStep(model, eng, hg.ProbingSplit(4), optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
     for s in range(1, 11):
         calls = eng['ane'].calls
