@@ -118,12 +118,12 @@ class Display:
         if self.t1 is None:
             self.t1 = now
         left = self.left(prog.it, now)
-        postfix = {k: (f'{v:.4g}' if isinstance(v, float) else v) for k, v in row.items()
-                   if k in SHOWN}
+        postfix = {k: SHOWN[k][1](v) for k, v in row.items() if k in SHOWN}
         if left is not None:
             postfix['eta'] = clock(left)
         if postfix:
-            self.bar.set_postfix({SHOWN.get(k, k): v for k, v in postfix.items()}, refresh=False)
+            names = {k: SHOWN[k][0] if k in SHOWN else k for k in postfix}
+            self.bar.set_postfix({names[k]: v for k, v in postfix.items()}, refresh=False)
         if row and self.bar.disable and self.rank == 0:
             print(log_line(row, self.total), flush=True)
         if left is not None and not self.said and self.log:
@@ -155,9 +155,10 @@ class Display:
         self.bar.close()
 
 
-# the row's values the bar shows, by short names, so it fits 80 columns
-SHOWN = dict(loss='loss', val_loss='val', tokens_per_s='tok/s', ane_microbatches='ane',
-             joules_per_token='J/tok')
+# the row's values the bar shows: short names and numbers, so a 110-column terminal shows all
+SHOWN = dict(loss=('loss', lambda v: f'{v:.3f}'), val_loss=('val', lambda v: f'{v:.3f}'),
+             tokens_per_s=('tok/s', lambda v: f'{v / 1000:.0f}k'),
+             ane_microbatches=('ane', str), joules_per_token=('J/tok', lambda v: f'{v:.2g}'))
 
 
 def result_microbatches(result):

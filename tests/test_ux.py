@@ -2,6 +2,7 @@
 ANE worker's start and mid-training, --resume taking the run's own settings, --help naming this
 machine's defaults, and the log of a run whose output is not a terminal (lines, the projected time)."""
 import contextlib
+import io
 import glob
 import os
 import re
@@ -235,3 +236,52 @@ def test_ctrl_c_in_bench_is_one_line_and_130(data_dir, tmp_path):
     assert proc.returncode == 130, err
     assert 'Traceback' not in err and err.strip().splitlines()[-1] == 'interrupted', err
     no_children(proc)
+
+
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_bar_shows_one_eta_and_fits_110_columns(monkeypatch):
+    # the bar's own remaining time (tqdm's, which counts the compiling first step) is not shown:
+    # one projection, from the steps after the first, evaluations and checkpoints included;
+    # the row's values under short names, so that J/token fits beside them at 110 columns
+    monkeypatch.setattr(hg.progress, 'no_bar', lambda quiet: False)
+    monkeypatch.setattr(sys, 'stderr', Tty())
+    monkeypatch.setenv(hg.progress.QUIET_ENV, '1')  # no first-step timer thread here
+    cfg = hg.Config(max_iters=100, batch_size=2, block_size=16)
+    said = []
+    display = hg.progress.Display(cfg, hg.Progress(), log=said.append)
+    result = hg.StepResult(10.0, 2, ['gpu'], 1.0, 0, {})
+    row = dict(loss=10.87654, val_loss=10.5, tokens_per_s=123456.7, ane_microbatches=1,
+               joules_per_token=0.00123)
+    for it in range(1, 6):
+        prog = hg.Progress(it=it)
+        display.stepped(prog, row, result)
+    bar = str(display.bar)
+    display.close()
+    assert 'J/tok=' in bar and 'eta=' in bar and '<' not in bar, bar  # tqdm's ETA is '<remaining'
+    postfix = bar[bar.index('loss='):].rstrip(']')
+    # the bar's fixed parts take ~31 columns at 1000 steps, the bar itself at least 10
+    assert len(postfix) <= 110 - 31 - 10, postfix
+    assert len(said) == 1 and said[0].startswith('projected: ') and 'with evaluations and checkpoints' in said[0]
+
+
+def test_the_header_is_a_line_each_and_messages_never_glue_to_a_timer(capsys):
+    class Eng:
+        label = 'Core ML programs out/ane_B4_T256 (loaded in 1.2 s; 100% of ops on the Neural Engine)'
+
+    class Meter:
+        meters, missing, name = [1], [], 'powermetrics (CPU, GPU and ANE power)'
+    model = hg.GPT(hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50))
+    lines = hg.progress.header(model, 'hetero', {'gpu': Eng(), 'ane': Eng()}, Meter()).splitlines()
+    assert len(lines) == 4 and all(len(line) <= 100 for line in lines), lines
+    stream = Tty()
+    ticker = hg.progress.Ticker('concurrency', stream=stream)
+    ticker.tty = True
+    with ticker:
+        stream.write('\rconcurrency: 6s')  # the timer's line, live
+        hg.progress.say('starting the ANE worker')
+    assert stream.getvalue().startswith('\rconcurrency: 6s\r\x1b[K'), repr(stream.getvalue())
+    assert capsys.readouterr().out == 'starting the ANE worker\n'
