@@ -147,4 +147,4 @@ def bench(cfg, given):
 
 
 if __name__ == '__main__':
-    hg.main(run=bench, cls=BenchConfig, description=__doc__)
+    hg.main(job=bench, cls=BenchConfig, description=__doc__)

@@ -21,8 +21,9 @@ import sys
 import time
 
 import hetero_gpt as hg
+from plumbing import progress  # defines: ctrl_c_exits (one line and 130 at Ctrl-C)
 from plumbing import programs  # defines: export_programs (saved atomically, checked against the ANE's limits)
-from plumbing import settings  # defines: add_flags, ane_batch, check_model, check_coreml, check_ane_alignment
+from plumbing import settings  # defines: add_flags, ane_batch_size, check_model, check_coreml, check_ane_alignment
 from tools import ane_check  # defines: main (the self-check), step_report (a call through every program)
 
 
@@ -89,7 +90,7 @@ def main(argv=None):
         tcfg = trainer_config(a, given)
         cfg = hg.model_config(tcfg)
         settings.check_model(cfg)
-        B = settings.ane_batch(tcfg)
+        B = settings.ane_batch_size(tcfg)
         T = cfg.block_size
         out = a.out or os.path.join('out', f'ane_B{B}_T{T}')
         if settings.ON_MAC:  # (a coremltools without its native libraries cannot save a program either)
@@ -114,4 +115,5 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    with progress.ctrl_c_exits():  # Ctrl-C, SIGTERM, SIGHUP: one line, 130, 143, 129
+        sys.exit(main())

@@ -17,8 +17,8 @@ ANE's arithmetic without the ANE. Everything macOS-only sits behind `coreml_pred
 
 Sections, in the order data flows: 1 config, 2 model, 3 the hand-derived step and its
 PyTorch backend, 4 the Core ML programs, 5 the engines, 6 the concurrent step, 7 the
-training loop. plumbing/ holds what this file uses (it never imports this file); tools/
-holds what extends it.
+training loop. plumbing/ holds what this file uses (it never imports this file). tools/
+holds what is built on it: the self-check, the gradient gate, the off-Mac speed, the quality study.
 """
 import contextlib
 import dataclasses
@@ -34,7 +34,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import prepare_data  # defines: load (checked token arrays), DataError
 from plumbing import checkpoints  # defines: resume, save, diverged, closing_sample
@@ -114,7 +113,7 @@ class Config(GPTConfig):
     ane_batch_size: int = setting(0, "sequences per ANE call; a divisor of batch_size "
                                      "(0: the largest up to 4)")
     ane_programs: str = setting('', "folder of the ANE's Core ML programs "
-                                    "(default: out_dir/ane_B{ane_batch}_T{block})")
+                                    "(default: out_dir/ane_B{ane_batch_size}_T{block_size})")
     ane_worker: bool = setting(True, "run the ANE engine in a worker process "
                                      "(on macOS; off it, when it is on the CPU)")
     ane_evaluator: str = setting('eager', "off macOS, the ANE programs' runner: "
@@ -1056,14 +1055,14 @@ class CoreMLEngine(Engine):
             np.copyto(self.inputs[k], v.numpy())
         peaks = []
 
-        def run(piece, inputs):  # one program, noting each output's largest |value|
+        def call(piece, inputs):  # one program, noting each output's largest |value|
             out = self.predict(piece, inputs)
             peaks.extend(float(np.max(np.abs(v))) for v in out.values())
             return {k: v for k, v in out.items() if k != 'peaks'}
         if self.pieces == ('step',):  # export_ane.py --whole_step
-            out = run('step', self.inputs)
+            out = call('step', self.inputs)
         else:
-            out = self._chain(run)
+            out = self._chain(call)
         peak = float(np.max(peaks))  # nan if any output holds a nan
         self.scaler.peak = max(self.scaler.peak, peak)
         g = {k[2:]: torch.from_numpy(np.asarray(v, np.float32))
@@ -1075,17 +1074,17 @@ class CoreMLEngine(Engine):
             loss = float(np.asarray(out['loss']).reshape(-1)[0])
         return loss, host_grads(g, self.cfg, idx, targets, self.scaler.scale, torch.float32)
 
-    def _chain(self, run):
+    def _chain(self, call):
         """Forward through the blocks, keeping each one's input; the head; backward through the
         blocks, each recomputing its forward from its input: 2L + 1 calls of three programs."""
         L = self.cfg.n_layer
         for l in range(L):
-            y = run('block_forward', {'x': self.xs[l]} | self.blocks[l])['y']
+            y = call('block_forward', {'x': self.xs[l]} | self.blocks[l])['y']
             np.copyto(self.xs[l + 1], y)
-        out = run('head', {'x': self.xs[L]} | self.head)
+        out = call('head', {'x': self.xs[L]} | self.head)
         np.copyto(self.dy, out.pop('d_x'))
         for l in reversed(range(L)):
-            d = run('block_backward', {'x': self.xs[l], 'dy': self.dy} | self.blocks[l])
+            d = call('block_backward', {'x': self.xs[l], 'dy': self.dy} | self.blocks[l])
             np.copyto(self.dy, d.pop('d_x'))
             out |= {f'd_h{l}_{k[2:]}': v for k, v in d.items()}
         return out | {'d_x0': self.dy}
@@ -1109,7 +1108,7 @@ class AneSpec:
 
 def programs_path(cfg, run):
     """The folder of the ANE's programs: --ane_programs, or one in out_dir named by their shape."""
-    name = f'ane_B{run.ane_batch}_T{cfg.block_size}'
+    name = f'ane_B{run.ane_batch_size}_T{cfg.block_size}'
     return cfg.ane_programs or os.path.join(cfg.out_dir, name)
 
 
@@ -1117,7 +1116,7 @@ def export_programs(cfg, run, log=print):
     """The ANE's Core ML programs for this run, exported unless they are there already."""
     path = programs_path(cfg, run)
     given = bool(cfg.ane_programs)  # a folder given must hold programs of this model
-    programs.ensure(path, model_config(cfg), run.ane_batch, cfg.block_size, build_coreml_program,
+    programs.ensure(path, model_config(cfg), run.ane_batch_size, cfg.block_size, build_coreml_program,
                     ANE_PIECES, given, log)
 
 
@@ -1238,7 +1237,8 @@ class ProbingSplit(Split):
     memory and heat, so the GPU alone may make the faster step. In auto mode:
     - at step RETIME_AT, then every RETIME_EVERY steps, the GPU engine runs alone, timed;
     - while it alone made the faster step, it keeps running alone;
-    - every PROBE_EVERY steps, an idle engine gets one microbatch, to be timed again."""
+    - every PROBE_EVERY steps an engine left idle by its share gets one microbatch, to be
+      timed again (a probe step runs the proportional share, not the GPU alone)."""
     PROBE_EVERY = 20
     RETIME_EVERY = 100
     RETIME_AT = 10
@@ -1286,7 +1286,7 @@ class ProbingSplit(Split):
 @dataclass
 class Share:
     """One engine's part of a step: its microbatches' summed loss and gradients."""
-    loss: torch.Tensor  # a 0-dim tensor on the engine's device
+    loss: torch.Tensor  # 0-dim, on the engine's device (the CPU once timed)
     grads: dict  # param name -> summed gradient
     n: int  # microbatches
     seconds: float
@@ -1305,7 +1305,10 @@ def sum_grads(engine, microbatches, stop=None):
     stop: an Event that ends the share before its next microbatch."""
     loss = 0.0
     grads = None
+    l = None
     for idx, targets in microbatches:
+        if l is not None:  # the device ends the microbatch before, then gets this one:
+            float(l)  # no more is queued, so Ctrl-C waits for one microbatch, not the share
         if stop is not None and stop.is_set():
             raise Interrupted
         l, g = engine.loss_and_grads(idx, targets)
@@ -1645,7 +1648,8 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
     log = progress.logger(rank)
     model, optimizer, engines, step, meter = build_run(cfg, run, log, classes)
     if cfg.init_from != 'scratch' and rank == 0 and not cfg.resume:  # the others get rank 0's
-        print(f"fine-tuning from the weights in {pretrained.load(model, cfg.init_from)}")
+        path = pretrained.load(model, cfg.init_from)
+        print(f"fine-tuning from the weights in {path}")
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     prog = Progress(**checkpoints.resume(cfg, given, model, optimizer, step.split, engines, rank))
     print(progress.header(model, cfg.mode, engines, meter))
@@ -1669,9 +1673,9 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
             t0 = time.perf_counter()
             microbatches = distributed.rank_share(step_batches(cfg, data['train'], prog.it))
             result = step(microbatches)  # both engines, the mean gradient into p.grad
-            with progress.defer_ctrl_c():  # an update is made whole, or not at all
+            with progress.defer_ctrl_c():  # an update is made whole and counted, or not at all
                 step.update(result, cfg.grad_clip)  # one AdamW step
-            prog.stepped(result, tok_per_step, time.perf_counter() - t0)
+                prog.stepped(result, tok_per_step, time.perf_counter() - t0)
             if cfg.max_bad_steps and prog.bad >= cfg.max_bad_steps:  # diverged: no checkpoint
                 raise checkpoints.diverged(cfg, prog.it, prog.bad, result.loss, engines, ckpt_path)
             last = prog.it == cfg.max_iters
@@ -1686,9 +1690,10 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
                 row = metrics.with_val(row, prog, val)
             if on_step:
                 row = on_step(prog, row, lambda: evaluate(model, eval_engine, cfg, data['val']))
-            metrics.write(row)  # the log first, so a resumed run never lacks a row
-            if evaluating and (prog.bad == 0 or last):  # not after a dropped step
-                save(best=prog.evaluated(val))
+            with progress.defer_ctrl_c():  # the log, the best and the checkpoint agree
+                metrics.write(row)  # the log first, so a resumed run never lacks a row
+                if evaluating and (prog.bad == 0 or last):  # not after a dropped step
+                    save(best=prog.evaluated(val))
             display.stepped(prog, row, result)
         display.close()  # before the line below
         if prog.it < cfg.max_iters:
@@ -1717,8 +1722,8 @@ def parse_args(argv=None, cls=Config, description="HeteroEngine: GPT-2 on GPU an
     return settings.parse_args(argv, cls, description, here)
 
 
-def main(argv=None, run=train, cls=Config, description=None):
-    """Parses the flags (of cls) and runs `run(cfg, given)`. A UserError is one line, exit 2;
+def main(argv=None, job=train, cls=Config, description=None):
+    """Parses the flags (of cls) and runs `job(cfg, given)`. A UserError is one line, exit 2;
     Ctrl-C is one line, exit 130 (SIGTERM 143, SIGHUP 129)."""
     if description:
         cfg, given = parse_args(argv, cls, description)
@@ -1726,7 +1731,7 @@ def main(argv=None, run=train, cls=Config, description=None):
         cfg, given = parse_args(argv, cls)
     try:
         with progress.ctrl_c_exits():
-            return run(cfg, given)
+            return job(cfg, given)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -31,7 +31,7 @@ def total_memory():
 
 
 
-def memory_estimate(cfg, mode, device, dtype, sizes, ane_batch):
+def memory_estimate(cfg, mode, device, dtype, sizes, ane_batch_size):
     """Bytes each engine holds at its peak, by part; 'gpu', 'ane' and 'total' (what the host's
     memory must hold: all of it on a Mac, whose GPU shares it). The peak is while the
     microbatches run: the sums of gradients (HeteroStep._average) come after activations are freed.
@@ -53,7 +53,7 @@ def memory_estimate(cfg, mode, device, dtype, sizes, ane_batch):
     10 bytes a row and channel).
     Each process's runtime: RUNTIME, MAC_RUNTIME with Metal or Core ML.
     sizes: (the model's parameters, the tied LM head once; the vocabulary's rows, padded to
-    the chunks the ANE's head program takes). ane_batch: sequences an ANE call (Run.ane_batch)."""
+    the chunks the ANE's head program takes). ane_batch_size: sequences an ANE call (Run.ane_batch_size)."""
     P, vocab_rows = sizes
     C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
     N, half = cfg.batch_size * cfg.block_size, dtype in (torch.float16, torch.bfloat16) and mode != 'ane'
@@ -65,7 +65,7 @@ def memory_estimate(cfg, mode, device, dtype, sizes, ane_batch):
         if device.type == 'mps':
             parts['gpu_attention'] = (2 if half else 4) * L * N * cfg.n_head * cfg.block_size
     if mode in ('ane', 'hetero'):
-        n = ane_batch * cfg.block_size
+        n = ane_batch_size * cfg.block_size
         parts['ane_host_grads'] = 8 * P
         parts['ane_buffers'] = 16 * P + 4 * (L + 2) * n * C
         parts['ane_programs'] = 2 * 2 * n * vocab_rows
@@ -118,7 +118,7 @@ def measured(device, ane=None, estimate=None):
 def preflight(cfg, run, sizes, log=print):
     """Before the first step: refuses a run whose estimate passes 90% of this machine's memory
     (naming the settings to lower), warns past 70% (it would swap under other load)."""
-    mem, have = memory_estimate(cfg, run.mode, run.device, run.dtype, sizes, run.ane_batch), total_memory()
+    mem, have = memory_estimate(cfg, run.mode, run.device, run.dtype, sizes, run.ane_batch_size), total_memory()
     if run.device.type == 'cuda' and run.mode != 'ane':
         gpu_have = torch.cuda.get_device_properties(run.device).total_memory
         if mem['gpu'] > 0.9 * gpu_have:

@@ -408,15 +408,23 @@ def hold_ctrl_c():
 
 @contextlib.contextmanager
 def defer_ctrl_c():
-    """Ctrl-C inside is raised as the block ends, not in the middle of it."""
+    """Ctrl-C (SIGTERM, SIGHUP) inside is raised as the block ends, not in the middle of it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     got = []
-    before = signal.signal(signal.SIGINT, lambda *_: got.append(True))
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in stops}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, before)
-    if got and before not in (signal.SIG_IGN, None):
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    if not got or before[got[0]] in (signal.SIG_IGN, None):
+        return
+    if before[got[0]] == signal.SIG_DFL:  # the signal's own default: sent again, now
+        os.kill(os.getpid(), got[0])
+    elif got[0] == signal.SIGINT:
         raise KeyboardInterrupt
+    else:
+        before[got[0]](got[0], None)  # SIGTERM, SIGHUP: their handler, as if they came now

@@ -187,10 +187,11 @@ def version(text):
     return tuple(int(''.join(c for c in part if c.isdigit()) or 0) for part in text.split('.')[:2])
 
 
-def check_mps(dtype, compile, torch_version=torch.__version__, macos=None):
+def check_mps(dtype, compile, torch_version=torch.__version__, macos=None, head_size=64, T=64):
     """What PyTorch's MPS backend can do (coreml_and_ane.md section 6): no float64; bf16
     autocast from torch 2.6 on macOS 14 (on 2.5 it silently runs fp32); torch.compile from 2.8.
-    fp16 and bf16 only where causal attention in that dtype hides later tokens (the probe)."""
+    fp16 and bf16 only where causal attention in that dtype hides later tokens (the probe, at
+    the run's head size, as the kernel MPS picks depends on it)."""
     macos = version(macos or platform.mac_ver()[0] or '0')
     if dtype == torch.float64:
         raise UserError("--dtype float64: MPS has no float64; use float32")
@@ -201,13 +202,14 @@ def check_mps(dtype, compile, torch_version=torch.__version__, macos=None):
         raise UserError(f"--compile on MPS needs torch 2.8 or newer (this is {torch_version}): upgrade torch "
                         "or leave out --compile")
     half = dtype in (torch.float16, torch.bfloat16)
-    if half and torch.backends.mps.is_available() and not causal_attention_sound(torch.device('mps'), dtype):
+    mps = torch.device('mps')
+    if half and torch.backends.mps.is_available() and not causal_attention_sound(mps, dtype, T, head_size):
         name = str(dtype).replace('torch.', '')
         raise UserError(f"--dtype {name} on MPS: this torch ({torch_version}) computes causal attention "
                         f"in {name} that sees later tokens (pytorch #195910): use --dtype float32")
 
 
-def causal_attention_sound(device, dtype, T=64):
+def causal_attention_sound(device, dtype, T=64, head_size=64):
     """Whether scaled_dot_product_attention(is_causal=True) on device in dtype hides later
     positions: values from position p on are raised by 1e4, and no output before p may move by
     more than 0.5. A sound kernel's masked weights are exactly 0, so it moves them by 0 (0.5 is
@@ -216,7 +218,7 @@ def causal_attention_sound(device, dtype, T=64):
     p odd (T-1, T/2+1): a mask applied per group of any even size leaks into row p-1."""
     F = torch.nn.functional
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, T, 32, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, T, head_size, generator=g) for _ in range(3))
     for p in (T - 1, T // 2 + 1):
         later = v.clone()
         later[:, :, p:] += 1e4
@@ -302,7 +304,7 @@ def check_ane_alignment(cfg, T):
 ANE_BATCH = 4  # the ANE's default sequences a call: its programs' live memory well inside its own
 
 
-def ane_batch(cfg):
+def ane_batch_size(cfg):
     """Sequences per ANE call: --ane_batch_size, or the largest divisor of batch_size up to ANE_BATCH."""
     return cfg.ane_batch_size or max(b for b in range(1, min(cfg.batch_size, ANE_BATCH) + 1) if cfg.batch_size % b == 0)
 
@@ -326,7 +328,7 @@ class Run:
     ane_dtype: torch.dtype
     ane_in_worker: bool  # the ANE engine in a process of its own
     ane_programs: bool  # the ANE engine runs exported programs, not the eager derivation
-    ane_batch: int  # sequences an ANE call, where it runs programs
+    ane_batch_size: int  # sequences an ANE call, where it runs programs
     ane_fraction: float = None  # the ANE's share in mode hetero; None: auto
 
 
@@ -385,9 +387,9 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print, kept=frozenset()):
     ane_dtype = torch.float16 if ON_MAC else resolve_dtype(cfg.ane_dtype, ane_dev, '--ane_dtype')
     in_worker = cfg.ane_worker and (ON_MAC or ane_dev.type == 'cpu')  # out of this process's GIL
     run = Run(cfg.mode, device, dtype, ane_dev, ane_dtype, ane_in_worker=in_worker,
-              ane_programs=ON_MAC or cfg.ane_evaluator == 'numpy', ane_batch=ane_batch(cfg), ane_fraction=fraction)
+              ane_programs=ON_MAC or cfg.ane_evaluator == 'numpy', ane_batch_size=ane_batch_size(cfg), ane_fraction=fraction)
     if device.type == 'mps' and cfg.mode != 'ane':
-        check_mps(dtype, cfg.compile)
+        check_mps(dtype, cfg.compile, head_size=cfg.n_embd // cfg.n_head, T=min(cfg.block_size, 256))
     if ON_MAC and cfg.mode != 'gpu':
         check_coreml()
         check_ane_alignment(cfg, cfg.block_size)

@@ -24,9 +24,9 @@ if __name__ == '__main__':
         f.write('5')
     cpu = torch.device('cpu')
     run = settings.Run('gpu', cpu, torch.float32, cpu, torch.float16, ane_in_worker=False, ane_programs=False,
-                       ane_batch=settings.ane_batch(cfg), ane_fraction=0.0)
+                       ane_batch_size=settings.ane_batch_size(cfg), ane_fraction=0.0)
     model, opt, engines, step, meter = hg.build_run(cfg, run, log=lambda s: None)
     for _ in range(3):
         step.update(step(batch))
     peak = status('VmHWM')
-    print(peak - base, memory.memory_estimate(cfg, 'gpu', torch.device('cpu'), torch.float32, hg.model_sizes(cfg), settings.ane_batch(cfg))['total'])
+    print(peak - base, memory.memory_estimate(cfg, 'gpu', torch.device('cpu'), torch.float32, hg.model_sizes(cfg), settings.ane_batch_size(cfg))['total'])

@@ -246,7 +246,7 @@ def test_ane_loss_scale_starts_at_4096_and_stops_short_of_saturation():
     model = hg.GPT(hg.model_config(cfg))
     cpu = torch.device('cpu')
     run = settings.Run('hetero', cpu, torch.float32, cpu, torch.float16, ane_in_worker=False, ane_programs=False,
-                       ane_batch=settings.ane_batch(cfg))
+                       ane_batch_size=settings.ane_batch_size(cfg))
     engines = hg.build_engines(cfg, model, run, log=lambda s: None)
     assert engines['ane'].scaler.scale == 4096.0 and engines['ane'].scaler.limit == programs.ANE_OVERFLOW / 2
     s = hg.LossScaler(256.0, 1, limit=programs.ANE_OVERFLOW / 2)

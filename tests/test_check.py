@@ -188,7 +188,7 @@ def test_the_stages_that_run_off_macos(exported):
     proj = ane_check.projection(ctx)
     other = hg.Config(**ctx['cfg'], batch_size=8, ane_batch_size=2)  # twice the microbatch: more memory
     assert proj['memory']['total'] < memory.memory_estimate(other, 'hetero', torch.device('cpu'), torch.float32,
-                                                            hg.model_sizes(other), settings.ane_batch(other))['total']
+                                                            hg.model_sizes(other), settings.ane_batch_size(other))['total']
     assert proj['memory_gib'] == round(proj['memory']['total'] / 2**30, 2) and proj['memory']['total'] > 0
     assert proj['tokens_per_s'] == 'needs macOS (the concurrency stage)'
     # with the concurrency stage's times (4 x 8 tokens a GPU microbatch): each engine's rate beside the
@@ -253,12 +253,12 @@ def test_memory_estimate_against_a_measured_cpu_run(shape):
 
 def test_preflight_refuses_what_will_not_fit_and_warns_near_it(monkeypatch):
     cfg = hg.Config(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=1000, batch_size=8)
-    need = memory.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg), settings.ane_batch(cfg))['total']
+    need = memory.memory_estimate(cfg, 'hetero', torch.device('cpu'), torch.float32, hg.model_sizes(cfg), settings.ane_batch_size(cfg))['total']
     said = []
     monkeypatch.setattr(memory, 'total_memory', lambda: int(need / 0.8))
     cpu = torch.device('cpu')
     run = settings.Run('hetero', cpu, torch.float32, cpu, torch.float16, ane_in_worker=False, ane_programs=True,
-                       ane_batch=settings.ane_batch(cfg))
+                       ane_batch_size=settings.ane_batch_size(cfg))
     memory.preflight(cfg, run, hg.model_sizes(cfg), log=said.append)
     assert len(said) == 1 and 'may swap' in said[0]
     monkeypatch.setattr(memory, 'total_memory', lambda: int(need / 1.5))
@@ -266,8 +266,8 @@ def test_preflight_refuses_what_will_not_fit_and_warns_near_it(monkeypatch):
         memory.preflight(cfg, run, hg.model_sizes(cfg))
     # the Mac's defaults: GPT-2 124M in hetero mode fits 16 GB; its old microbatch of 8 would not
     mac = hg.Config(**hg.MAC_DEFAULTS)
-    assert memory.memory_estimate(mac, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(mac), settings.ane_batch(mac))['total'] < 0.7 * 16 * 2**30
-    assert memory.memory_estimate(hg.Config(), 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(hg.Config()), settings.ane_batch(hg.Config()))['total'] > 0.9 * 16 * 2**30
+    assert memory.memory_estimate(mac, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(mac), settings.ane_batch_size(mac))['total'] < 0.7 * 16 * 2**30
+    assert memory.memory_estimate(hg.Config(), 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(hg.Config()), settings.ane_batch_size(hg.Config()))['total'] > 0.9 * 16 * 2**30
 
 
 def test_check_refuses_calls_that_do_not_divide_the_gpu_microbatch(tmp_path, capsys):

@@ -308,7 +308,9 @@ CAUSAL = """
     import json, torch
     from plumbing import settings
     from tools import ane_check
-    env = ane_check.environment({})
+    import hetero_gpt as hg
+    cfg = hg.GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=64)  # 64 a head, as the runs
+    env = ane_check.environment(dict(cfg=cfg.__dict__, T=64))
     refused = {}
     for d in (torch.float32, torch.float16, torch.bfloat16):
         try:

@@ -234,7 +234,7 @@ def test_trainer_exports_once_and_reuses(tmp_path, monkeypatch):
                             '--ane_evaluator', 'numpy'])
     cpu = torch.device('cpu')
     run = lambda cfg: settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=False, ane_programs=True,
-                                   ane_batch=settings.ane_batch(cfg))
+                                   ane_batch_size=settings.ane_batch_size(cfg))
 
     def ensure_programs(cfg, log):
         hg.export_programs(cfg, run(cfg), log)

@@ -286,7 +286,7 @@ P = V * C + T * C + L * block + 2 * C
 cfg = types.SimpleNamespace(n_embd=C, n_layer=L, n_head=12, vocab_size=V, batch_size=2,
                             block_size=T)
 run = types.SimpleNamespace(mode='hetero', device=torch.device('mps'), dtype=torch.float32,
-                            ane_batch=2)
+                            ane_batch_size=2)
 said = []
 try:
     memory.preflight(cfg, run, (P, 4 * 12608), log=said.append)

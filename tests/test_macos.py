@@ -401,7 +401,7 @@ say('inputs', {'big-endian': answer(**{first: base[first].astype('>f4')}),
 # a Neural Engine compile that fails at load, in this process; one that kills the process at
 # its first predict (coremltools #2758), in the worker (the double's switch, read at each)
 cpu = torch.device('cpu')
-run = settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=True, ane_programs=True, ane_batch=B)
+run = settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=True, ane_programs=True, ane_batch_size=B)
 spec = hg.ane_spec(hg.Config(**vars(cfg), batch_size=B, ane_programs='p'), run)
 os.environ['MACOS_DOUBLE_FAIL'] = 'load'
 try:
@@ -644,7 +644,7 @@ def test_memory_estimate_counts_what_attention_keeps_on_mps():
     B, T, H, C = 2, 64, 4, 64
     cfg = hg.Config(n_layer=3, n_head=H, n_embd=C, block_size=T, vocab_size=96, batch_size=B)
     per_layer = lambda dtype: memory.memory_estimate(cfg, 'gpu', torch.device('mps'), dtype,
-                                                     hg.model_sizes(cfg), settings.ane_batch(cfg))['gpu_attention'] / cfg.n_layer
+                                                     hg.model_sizes(cfg), settings.ane_batch_size(cfg))['gpu_attention'] / cfg.n_layer
     for dtype in (torch.float32, torch.float16):
         q = torch.empty(B, H, T, C // H, dtype=dtype, device='meta')
         _, probs = torch.ops.aten._scaled_dot_product_attention_math_for_mps(q, q, q, is_causal=True)
@@ -659,7 +659,7 @@ def test_memory_estimate_counts_what_attention_keeps_on_mps():
         hg.CausalSelfAttention(cfg)(torch.randn(B, T, C, requires_grad=True))
     assert list(saved.values()) == [per_layer(torch.float32)]
     assert 'gpu_attention' not in memory.memory_estimate(cfg, 'gpu', torch.device('cpu'), torch.float32,
-                                                          hg.model_sizes(cfg), settings.ane_batch(cfg))  # (the CPU's flash path keeps none)
+                                                          hg.model_sizes(cfg), settings.ane_batch_size(cfg))  # (the CPU's flash path keeps none)
 
 
 def test_core_ml_errors_in_one_line():

@@ -154,19 +154,19 @@ def test_memory_estimate_item_by_item_for_gpt2_on_a_mac(monkeypatch):
                 ane_programs=2 * 2 * N * R,  # the head's logits and softmax, fp16
                 ane_coreml_copies=2 * R * C + 2 * 4 * R * C,  # the embedding in fp16; its gradient in fp32, twice
                 ane_runtime=0.75 * GIB)  # coremltools and Core ML
-    mem = memory.memory_estimate(cfg, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(cfg), settings.ane_batch(cfg))
+    mem = memory.memory_estimate(cfg, 'hetero', torch.device('mps'), torch.float32, hg.model_sizes(cfg), settings.ane_batch_size(cfg))
     assert {k: v for k, v in mem.items() if k not in ('gpu', 'ane', 'total')} == {k: int(v) for k, v in want.items()}
     assert mem['total'] == mem['gpu'] + mem['ane'] == sum(int(v) for v in want.values())
     assert 11 * GIB < mem['total'] < 12 * GIB  # the ~11-12 GiB a run of these sizes is expected to take
     # --mode ane: the master weights and AdamW are still on MPS, the step's gradient with them
-    ane = memory.memory_estimate(cfg, 'ane', torch.device('mps'), torch.float32, hg.model_sizes(cfg), settings.ane_batch(cfg))
+    ane = memory.memory_estimate(cfg, 'ane', torch.device('mps'), torch.float32, hg.model_sizes(cfg), settings.ane_batch_size(cfg))
     assert ane['gpu'] == 16 * P + int(0.75 * GIB) and ane['ane'] == mem['ane']
     # a 16 GB Mac runs it, with the warning that other programs may make it swap
     monkeypatch.setattr(memory, 'total_memory', lambda: 16 * GIB)
     said = []
     mps = torch.device('mps')
     run = settings.Run('hetero', mps, torch.float32, mps, torch.float16, ane_in_worker=True, ane_programs=True,
-                       ane_batch=settings.ane_batch(cfg))
+                       ane_batch_size=settings.ane_batch_size(cfg))
     memory.preflight(cfg, run, hg.model_sizes(cfg), log=said.append)
     assert len(said) == 1 and 'may swap' in said[0]
 

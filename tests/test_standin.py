@@ -148,7 +148,7 @@ tiny = ['--dataset', 'tiny', '--n_layer', '1', '--n_head', '2', '--n_embd', '16'
 for mode in ('gpu', 'ane', 'hetero'):  # (hetero: half each, not a split that timings decide)
     hg.main(tiny + ['--mode', mode, '--out_dir', 'out_' + mode] + (['--ane_fraction', '0.5'] if mode == 'hetero' else []))
 try:
-    hg.main(tiny + ['--fast', '--out_dir', 'out_fast'], run=bench.bench, cls=bench.BenchConfig)
+    hg.main(tiny + ['--fast', '--out_dir', 'out_fast'], job=bench.bench, cls=bench.BenchConfig)
 except SystemExit as e:
     print('bench --fast', e.code)
 """

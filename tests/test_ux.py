@@ -222,7 +222,7 @@ def test_the_check_exports_where_the_trainer_reads(monkeypatch, flags):
     monkeypatch.setattr(hg.programs, 'ensure', lambda path, *a: path)
     monkeypatch.setattr(hg, 'ON_MAC', True)
     spec = hg.ane_spec(cfg, run)
-    assert (seen['out'], seen['B'], seen['T'], seen['gpu_batch']) == (spec.programs, run.ane_batch, spec.T, cfg.batch_size)
+    assert (seen['out'], seen['B'], seen['T'], seen['gpu_batch']) == (spec.programs, run.ane_batch_size, spec.T, cfg.batch_size)
     assert seen['cfg'] == hg.model_config(cfg)
     assert seen['run_tokens'] == cfg.max_iters * cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
 

@@ -185,7 +185,7 @@ def test_the_worker_runs_exported_programs(exported):
     path = exported(**helpers.PROGRAMS)
     cfg = hg.Config(**vars(gcfg), batch_size=4, ane_batch_size=2, ane_evaluator='numpy', ane_programs=path)
     cpu = torch.device('cpu')
-    run = settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=True, ane_programs=True, ane_batch=2)
+    run = settings.Run('ane', cpu, torch.float32, cpu, torch.float16, ane_in_worker=True, ane_programs=True, ane_batch_size=2)
     hg.export_programs(cfg, run, log=pytest.fail)  # found, not exported again
     spec = hg.ane_spec(cfg, run)
     w = plumbing_worker.WorkerEngine(spec, hg.engine_from_spec, hg.LossScaler(256.0, 0), log=lambda s: None,

@@ -394,7 +394,10 @@ def environment(ctx):
         device = settings.resolve_device('auto', flag=None)
         info['gpu_device'] = str(device)
         if device.type == 'mps':  # each dtype a run may take: does is_causal hide later tokens?
-            info['causal_attention'] = {str(d).replace('torch.', ''): settings.causal_attention_sound(device, d)
+            cfg = hg.GPTConfig(**ctx['cfg'])
+            D = cfg.n_embd // cfg.n_head  # the kernel MPS picks depends on the head size
+            T = min(ctx['T'], 256)
+            info['causal_attention'] = {str(d).replace('torch.', ''): settings.causal_attention_sound(device, d, T, D)
                                         for d in (torch.float32, torch.float16, torch.bfloat16)}
     except hg.UserError as e:
         info['gpu_device_error'] = str(e)
@@ -656,7 +659,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
                         ane_programs=program_dir or '')
     # the worker: Core ML's programs on a Mac, else the eager derivation (settings.check's choice)
     run = settings.Run('hetero', device, dtype, torch.device('cpu'), getattr(torch, ane_dtype), ane_in_worker=True,
-                       ane_programs=hg.ON_MAC, ane_batch=ane_batch)
+                       ane_programs=hg.ON_MAC, ane_batch_size=ane_batch)
     cores, here = worker.share_cores(gpu_on_cpu=device.type == 'cpu')
     torch.set_num_threads(here)  # (this process's threads and GIL switch interval, as training sets them)
     sys.setswitchinterval(worker.SWITCH_S)
@@ -712,8 +715,9 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     out |= {f'{k}_spread': float(np.std(v) / np.median(v)) for k, v in res.items() if k.endswith('alone')}
     out |= {f'exchange_{k}': float(np.median(v)) for k, v in exchanges.items() if k != 'warm-up'}
     # the memory each side held, beside the estimate for a run of these sizes (to calibrate it)
-    run = hg.Config(**dataclasses.asdict(cfg), batch_size=gpu_batch, ane_batch_size=ane_batch)
-    mem = memory.measured(device, w, memory.memory_estimate(run, 'hetero', device, dtype, hg.model_sizes(run), ane_batch))
+    tcfg = hg.Config(**dataclasses.asdict(cfg), batch_size=gpu_batch, ane_batch_size=ane_batch)
+    estimate = memory.memory_estimate(tcfg, 'hetero', device, dtype, hg.model_sizes(tcfg), ane_batch)
+    mem = memory.measured(device, w, estimate)
     return out | power | dict(gpu_label=gpu.label, ane_label=w.label, memory=mem)
 
 

@@ -292,4 +292,4 @@ def train(cfg, given):
 
 
 if __name__ == '__main__':
-    hg.main(run=train, cls=FastConfig)
+    hg.main(job=train, cls=FastConfig)
