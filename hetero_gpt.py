@@ -1116,8 +1116,9 @@ def export_programs(cfg, run, log=print):
     """The ANE's Core ML programs for this run, exported unless they are there already."""
     path = programs_path(cfg, run)
     given = bool(cfg.ane_programs)  # a folder given must hold programs of this model
-    programs.ensure(path, model_config(cfg), run.ane_batch_size, cfg.block_size, build_coreml_program,
-                    ANE_PIECES, given, log)
+    B = run.ane_batch_size
+    programs.ensure(path, model_config(cfg), B, cfg.block_size, build_coreml_program, ANE_PIECES,
+                    given, log)
 
 
 def ane_spec(cfg, run, threads=1):
