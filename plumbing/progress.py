@@ -352,9 +352,10 @@ def interrupted(what="interrupted"):
         except (ValueError, OSError):
             pass
     print(f"\n{what}", file=sys.stderr, flush=True)
-    for stop in ON_INTERRUPT:
-        stop()
-    exit_now_if_busy(exit_code())
+    with hold_ctrl_c():  # a second Ctrl-C changes nothing now
+        for stop in ON_INTERRUPT:
+            stop()
+        exit_now_if_busy(exit_code())
     sys.exit(exit_code())
 
 

@@ -97,7 +97,7 @@ def test_two_ranks_match_one_process_and_resume_across_numbers_of_ranks(data_dir
     # only rank 0 writes: its files, each row once; and its rows hold every rank's split and speeds
     assert sorted(os.listdir(tmp_path / 'b')) == ['best.pt', 'ckpt.pt', 'metrics.jsonl']
     rows = [json.loads(l) for l in open(tmp_path / 'b' / 'metrics.jsonl')]
-    assert [r['step'] for r in rows] == [2, 4] and out.count('parameters |') == 1 and out1 == ''
+    assert [r['step'] for r in rows] == [2, 4] and out.count('parameters, mode') == 1 and out1 == ''
     for r in rows:
         assert [x['ane_microbatches'] for x in r['ranks']] == [1, 1] and r['ranks'][1]['gpu_tokens_per_s'] > 0
         assert r['ranks'][0]['gpu_loss'] != r['ranks'][1]['gpu_loss']  # shares of their own, not copies

@@ -106,7 +106,7 @@ def test_training_on_both_engines_through_core_ml(shakespeare, exported, tmp_pat
     assert "engine 'ane'" not in out and 'continuing with' not in out  # what a retired engine prints
     shares, counts = ane_shares(p, 'reduce_max')
     assert all(0 < v < 1 for v in shares.values()) and all(counts.values()), counts
-    start = next(line for line in r.stdout.splitlines() if 'mode hetero' in line)
+    start = next(line for line in r.stdout.splitlines() if line.startswith('  ane: '))
     assert 'ANE share of ops ' + ' '.join(f'{k} {v}' for k, v in shares.items()) in start, start
     assert 'the rest runs on the CPU' in start and re.search(r'loaded in \d+\.\d s', start)
     log = coreml_log(cwd)
@@ -136,7 +136,7 @@ def test_a_slow_neural_engine_load_that_falls_back_to_the_cpu_shows_at_start(sha
     r = train_through_core_ml(cwd, '--max_iters', '1', '--ane_fraction', '0.5', '--ane_programs', p, load_seconds=2,
                               ane_fallback=1)
     assert r.returncode == 0, r.stderr[-3000:]
-    start = next(line for line in r.stdout.splitlines() if 'mode hetero' in line)
+    start = next(line for line in r.stdout.splitlines() if line.startswith('  ane: '))
     assert float(re.search(r'loaded in (\d+\.\d) s', start).group(1)) >= 6, start  # 3 programs, 2 s each
     assert 'ANE share of ops block_forward 0.0 head 0.0 block_backward 0.0; the rest runs on the CPU' in start, start
     assert 'ane_loss' in rows(cwd)[-1]

@@ -197,9 +197,11 @@ def test_the_macs_defaults_train_on_mps_and_record_their_memory(shakespeare, exp
     flags = TRAIN[:i] + TRAIN[i + 4:]  # TRAIN without its batch_size and gradient_accumulation_steps
     assert '--gradient_accumulation_steps' not in flags and '--n_layer' in flags
     # (one microbatch of 16 on the ANE: the double's Core ML evaluates in NumPy, slowly)
-    r = mac([os.path.join(ROOT, 'hetero_gpt.py'), *flags, '--max_iters', '1', '--ane_fraction', '0.0625', '--ane_programs', p], cwd)
+    r = mac([os.path.join(ROOT, 'hetero_gpt.py'), *flags, '--preset', 'gpt2', '--max_iters', '1', '--ane_fraction', '0.0625',
+             '--ane_programs', p], cwd)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert 'on a Mac: microbatches that fit a 16 GB one (any flag overrides): batch_size=2 gradient_accumulation_steps=16' in r.stdout
+    assert 'on a Mac: GPT-2 124M in microbatches that fit a 16 GB one (any flag overrides): batch_size=2 ' \
+           'gradient_accumulation_steps=16' in r.stdout
     assert 'gpu: autograd on mps (float32)' in r.stdout and 'mode hetero' in r.stdout
     out = rows(cwd)
     assert [row['step'] for row in out] == [1] and all(row['ane_microbatches'] == 1 for row in out)
@@ -257,7 +259,7 @@ def test_a_step_at_the_macs_default_shapes(shakespeare, tmp_path):
     # 2 x 1024 tokens a microbatch, 768 wide, the ANE 2 sequences a call, on MPS; one layer and
     # two microbatches (one each engine), so that NumPy and the CPU finish within minutes
     cwd = cwd_with_data(shakespeare, tmp_path)
-    r = mac([os.path.join(ROOT, 'hetero_gpt.py'), '--dataset', 'shakespeare', '--n_layer', '1',
+    r = mac([os.path.join(ROOT, 'hetero_gpt.py'), '--dataset', 'shakespeare', '--preset', 'gpt2', '--n_layer', '1',
              '--gradient_accumulation_steps', '2', '--ane_batch_size', '2', '--ane_fraction', '0.5', '--max_iters', '1',
              '--eval_iters', '1', '--sample_tokens', '0', '--quiet'], cwd)
     assert r.returncode == 0, r.stderr[-3000:]
