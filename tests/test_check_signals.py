@@ -48,6 +48,7 @@ SLOW_BACKWARD = """
 """
 
 
+@pytest.mark.slow  # seconds of processes under the double
 def test_slow_mps_backward_queues_work_that_the_next_read_waits_for(tmp_path):
     # MACOS_DOUBLE_MPS_SLOW=1.5: each backward queues 1.5 s; a read waits for it, and a Ctrl-C
     # meanwhile is handled after the wait, as after Metal's waitUntilCompleted
@@ -61,6 +62,7 @@ def test_slow_mps_backward_queues_work_that_the_next_read_waits_for(tmp_path):
 
 # ---- the environment stage, and the flags that advice names
 
+@pytest.mark.slow  # seconds of processes under the double
 def test_the_environment_stage_fails_at_once_on_a_mac_without_mps(tmp_path):
     # macOS 13.5 with torch 2.10 or newer: MPS built in but unavailable. The check says so in its
     # first stage, in the trainer's words but without the trainer's --device advice (export_ane.py
@@ -202,8 +204,12 @@ def session_left(sid):
     return ps
 
 
-@pytest.mark.parametrize('sig, code, group', [(signal.SIGINT, 130, True), (signal.SIGTERM, 143, False),
-                                              (signal.SIGHUP, 129, False)])
+SLOW = pytest.mark.slow  # (each a few seconds of processes: SIGINT's runs by default)
+
+
+@pytest.mark.parametrize('sig, code, group', [(signal.SIGINT, 130, True),
+                                              pytest.param(signal.SIGTERM, 143, False, marks=SLOW),
+                                              pytest.param(signal.SIGHUP, 129, False, marks=SLOW)])
 def test_a_stop_acts_within_a_second_even_when_the_stage_cannot_hear_it(tmp_path, sig, code, group):
     # the second stage is in a call no signal ends (its SIGTERM ignored, as a Core ML compile in C
     # would be): Ctrl-C to the terminal's group, or SIGTERM or SIGHUP to the check alone, ends the
@@ -322,6 +328,7 @@ CAUSAL = """
 """
 
 
+@pytest.mark.slow  # seconds of processes under the double
 def test_causal_attention_that_sees_later_tokens_on_mps_is_found_and_refused(tmp_path):
     # the double's MPS as torch before 2.14 (this torch is older): fp16 and bf16 causal attention
     # masks per group of four queries. The environment stage's probe finds it in each dtype, its

@@ -105,6 +105,7 @@ print(json.dumps(said))
 """
 
 
+@pytest.mark.slow  # processes in a terminal, seconds each
 def test_sudo_v_gives_the_meter_its_samples(tmp_path):
     # after `sudo -v` in a terminal, the probe and the meter both run powermetrics (CPU 3 W,
     # GPU 9 W, ANE 1.5 W: the parts stand in those ratios); without it both are refused, with
@@ -205,6 +206,7 @@ def test_close_leaves_no_thread_or_process(tmp_path, monkeypatch):
             os.kill(pid, signal.SIGTERM)
 
 
+@pytest.mark.slow  # processes in a terminal, seconds each
 def test_a_meter_nobody_closes_ends_with_its_process(tmp_path):
     # a process that ends with its meter open (an exception before its close) leaves no
     # powermetrics running: here the next sample is due 3.6 s after the first (-i 3000, 20%

@@ -241,6 +241,7 @@ print(json.dumps(dict(lines=lines, started=started, rounds=rounds)))
 """
 
 
+@pytest.mark.slow  # three slow loads under the double
 def test_each_load_says_which_program_and_what_to_expect(exported, tmp_path):
     # Under the macOS double, each Neural Engine load (the ANE's compile) takes
     # MACOS_DOUBLE_LOAD_SECONDS = 0.5 s. Before each, one line names the program, its place
