@@ -8,6 +8,7 @@ import math
 import os
 
 import numpy as np
+import torch
 import pytest
 
 import hetero_gpt as hg
@@ -238,9 +239,9 @@ def test_timed_evaluations(data_dir, tmp_path, ctrl_c, monkeypatch):
     monkeypatch.setattr(hg.AutogradEngine, 'loss_and_grads', lambda *a: (clock.advance(0.125), real_mb(*a))[1])
     timed = dict(max_iters=10, log_interval=100)
 
-    def train(out_dir, **settings):
+    def train(out_dir, start=0.0, **settings):
         cfg, given = hg.parse_args(helpers.flags(data_dir, out_dir, **timed, **settings))
-        hg.train(cfg, given, on_step=compare.TimedEvals(1.0))
+        hg.train(cfg, given, on_step=compare.TimedEvals(1.0, start))
         return helpers.rows(out_dir)
     straight = train(tmp_path / 'a')
     assert [(r['step'], r.get('eval_at_seconds')) for r in straight] == [(4, 1.0), (5, None), (8, 2.0), (10, None)]
@@ -248,7 +249,8 @@ def test_timed_evaluations(data_dir, tmp_path, ctrl_c, monkeypatch):
     ctrl_c.at(6)
     train(tmp_path / 'b')
     ctrl_c.off()
-    resumed = train(tmp_path / 'b', resume=True)
+    start = torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['elapsed']  # as compare reads it
+    resumed = train(tmp_path / 'b', start, resume=True)
     assert [(r['step'], r.get('eval_at_seconds'), r['elapsed']) for r in resumed] == [
         (r['step'], r.get('eval_at_seconds'), r['elapsed']) for r in straight]
     assert [r['val_loss'] for r in resumed] == [r['val_loss'] for r in straight]

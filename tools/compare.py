@@ -32,6 +32,7 @@ import os
 import sys
 
 import numpy as np
+import torch
 
 import hetero_gpt as hg
 from plumbing import progress  # defines: with_val
@@ -208,11 +209,13 @@ def run_one(flags, mode, seed, out_dir, drop_checkpoint=False, eval_seconds=0.0)
         os.makedirs(run_dir, exist_ok=True)
         with open(saved_path, 'w') as f:
             json.dump(settings, f, indent=1)
+        start = 0.0  # the training seconds the run starts from
         if os.path.exists(ckpt):
             cfg.resume = True  # continue an interrupted run from its last checkpoint
+            start = torch.load(ckpt, map_location='cpu', mmap=True, weights_only=True)['elapsed']
         elif os.path.exists(metrics):
             os.remove(metrics)  # stopped before its first checkpoint: start over
-        hg.train(cfg, given, on_step=TimedEvals(eval_seconds) if eval_seconds > 0 else None)
+        hg.train(cfg, given, on_step=TimedEvals(eval_seconds, start) if eval_seconds > 0 else None)
         rows = read_metrics(metrics)
         if not finished(rows, cfg):
             raise hg.UserError(f"training in {run_dir} stopped at step {rows[-1]['step'] if rows else 0} of "
@@ -227,14 +230,11 @@ class TimedEvals:
     passes a multiple of `seconds`, for curves against time. Marks count from 0, so a
     resumed run is due where the run straight through was; each rank reads its own clock."""
 
-    def __init__(self, seconds):
+    def __init__(self, seconds, start=0.0):  # start: the training seconds a resumed run has
         self.seconds = seconds
-        self.next = None  # the next mark, set at the first step
+        self.next = (start // seconds + 1) * seconds  # the next mark
 
     def __call__(self, prog, row, evaluate):
-        if self.next is None:
-            self.next = (prog.elapsed // self.seconds + 1) * self.seconds
-            return row
         if prog.elapsed < self.next:
             return row
         at = self.next
