@@ -42,8 +42,8 @@ from plumbing import distributed  # defines: rank0_first, rank_share, sum_over_r
 from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
 from plumbing import pretrained  # defines: load (OpenAI's GPT-2 in this layout)
-from plumbing import progress  # defines: logger, header, Metrics, Display, defer_ctrl_c, stop_run,
-#   ctrl_c_exits
+from plumbing import progress  # defines: logger, header, Metrics, Display, with_val, defer_ctrl_c,
+#   stop_run, ctrl_c_exits
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary,
 #   numpy_programs, check_shapes, coreml_predict, peaks
 from plumbing import settings  # defines: parse_args, import_coremltools, one_line,
@@ -1391,7 +1391,7 @@ class HeteroStep:
         used = sorted(shares)
         n, loss, norm = self.average(shares, used)
         if not math.isfinite(loss + norm):  # a share overflowed: average the others
-            used = [name for name in used if shares[name].n and self.finite(shares[name])]
+            used = [name for name in used if self.finite(shares[name])]
             n, loss, norm = self.average(shares, used)
         self.inputs = None
         for name in shares:  # a left-out share lowers its engine's loss scale
@@ -1476,9 +1476,9 @@ class HeteroStep:
 
     def finite(self, share):
         """Whether a share's loss and gradients are all finite (a wait for its device)."""
-        flags = [share.loss.isfinite().to(self.device)]
-        flags += [g.isfinite().all().to(self.device) for g in share.grads.values()]
-        return self.read(torch.stack(flags).all())
+        def check():
+            return math.isfinite(share.loss) and grads_finite(share.grads)
+        return self.reader.submit(check).result()
 
     def update(self, result, grad_clip=0.0):
         """One AdamW step from the mean gradient, its norm clipped to grad_clip if > 0."""
@@ -1688,7 +1688,7 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
                 distributed.check_same_weights(model, prog.it)
                 val = evaluate(model, eval_engine, cfg, data['val'])
                 val = distributed.from_rank0(val)  # one stop decision for all ranks
-                row = metrics.with_val(row, prog, val)
+                row = progress.with_val(row, prog, val)
             if on_step:
                 row = on_step(prog, row, lambda: evaluate(model, eval_engine, cfg, data['val']))
             with progress.defer_ctrl_c():  # the log, the best and the checkpoint agree
@@ -1696,12 +1696,8 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
                 if evaluating and (prog.bad == 0 or last):  # not after a dropped step
                     save(best=prog.evaluated(val))
             display.stepped(prog, row, result)
-        display.close()  # before the line below
-        if prog.it < cfg.max_iters:
-            print(f"step {prog.it}: stopped early, {prog.since_best} evaluations without a "
-                  "lower validation loss (--patience)")
     except KeyboardInterrupt:  # saved, in one line; main exits 130
-        display.close()
+        display.close()  # before the line
         progress.stop_run(save, f"saved step {prog.it} in {ckpt_path}")
         return model
     finally:
@@ -1710,6 +1706,9 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
         meter.close()
         metrics.close()
         distributed.leave()  # torchrun's group, after an end or Ctrl-C
+    if prog.it < cfg.max_iters:
+        print(f"step {prog.it}: stopped early, {prog.since_best} evaluations without a "
+              "lower validation loss (--patience)")
     if cfg.sample_tokens > 0 and rank == 0:
         # the run ends holding its best weights, and shows text from them
         checkpoints.closing_sample(model, ckpt_path, cfg.sample_tokens, run.device,

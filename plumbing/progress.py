@@ -14,10 +14,10 @@ import time
 
 from tqdm import tqdm
 
-tqdm.monitor_interval = 0  # no monitor thread: every thread a run starts ends with it
-
 from .distributed import gather, world
 from .memory import measured
+
+tqdm.monitor_interval = 0  # no monitor thread: every thread a run starts ends with it
 
 INTERRUPTED = 130  # a shell's code for a process stopped by SIGINT (128 + 2)
 QUIET_ENV = 'HETEROGPT_NO_TICKER'  # set in processes whose parent shows the time
@@ -118,12 +118,11 @@ class Display:
         if self.t1 is None:
             self.t1 = now
         left = self.left(prog.it, now)
-        postfix = {k: SHOWN[k][1](v) for k, v in row.items() if k in SHOWN}
+        postfix = {SHOWN[k][0]: SHOWN[k][1](v) for k, v in row.items() if k in SHOWN}
         if left is not None:
             postfix['eta'] = clock(left)
         if postfix:
-            names = {k: SHOWN[k][0] if k in SHOWN else k for k in postfix}
-            self.bar.set_postfix({names[k]: v for k, v in postfix.items()}, refresh=False)
+            self.bar.set_postfix(postfix, refresh=False)
         if row and self.bar.disable and self.rank == 0:
             print(log_line(row, self.total), flush=True)
         if left is not None and not self.said and self.log:
@@ -204,10 +203,6 @@ class Metrics:
             own['joules_per_token'], joules = (j - joules) / (prog.tokens - tokens), j
         self.last = prog.elapsed, prog.tokens, joules
         return row | (own if world()[1] == 1 else dict(ranks=gather(own)))
-
-
-    def with_val(self, row, prog, val):  # row, with a scheduled evaluation's loss
-        return with_val(row, prog, val)
 
     def write(self, row):  # a row, if any, flushed: a resumed run reads it
         if row:
@@ -303,11 +298,7 @@ def ctrl_c_exits():
     except KeyboardInterrupt:
         interrupted()
     if _stopped:  # the workers stopped now, not by finalizers while the interpreter shuts down
-        with hold_ctrl_c():
-            for stop in ON_INTERRUPT:
-                stop()
-            exit_now_if_busy(exit_code())
-        sys.exit(exit_code())
+        leave(exit_code())
 
 
 class Stopped(KeyboardInterrupt):
@@ -326,16 +317,10 @@ def stop_like_ctrl_c(signum, frame):
 @contextlib.contextmanager
 def stop_signals():
     """Inside, SIGTERM and SIGHUP stop the main thread as Ctrl-C does (Stopped)."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is threading.main_thread():
+        _code[0] = INTERRUPTED
+    with handlers((signal.SIGTERM, signal.SIGHUP), stop_like_ctrl_c):
         yield
-        return
-    _code[0] = INTERRUPTED
-    before = {s: signal.signal(s, stop_like_ctrl_c) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
 
 
 def exit_code():
@@ -346,17 +331,26 @@ def exit_code():
 def interrupted(what="interrupted"):
     """After Ctrl-C: one line, then exit code 130 at once, without waiting for threads that
     still compute (a step's engines; their processes and memory were freed before)."""
-    for s in (sys.stdout, sys.stderr):
-        try:
-            s.flush()
-        except (ValueError, OSError):
-            pass
+    flush()
     print(f"\n{what}", file=sys.stderr, flush=True)
-    with hold_ctrl_c():  # a second Ctrl-C changes nothing now
+    leave(exit_code())
+
+
+def leave(code):
+    """The workers freed (a second Ctrl-C changes nothing now), then exit with code."""
+    with hold_ctrl_c():
         for stop in ON_INTERRUPT:
             stop()
-        exit_now_if_busy(exit_code())
-    sys.exit(exit_code())
+        exit_now_if_busy(code)
+    sys.exit(code)
+
+
+def flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (ValueError, OSError):  # a stream closed under us
+            pass
 
 
 def exit_now_if_busy(code, wait=1.0):
@@ -369,58 +363,47 @@ def exit_now_if_busy(code, wait=1.0):
     busy = [t for t in threading.enumerate() if t.is_alive() and not t.daemon
             and t is not threading.main_thread()]
     if busy:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (ValueError, OSError):
-                pass
+        flush()
         os._exit(code)
 
 
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
+
+
 @contextlib.contextmanager
+def handlers(signums, handler):
+    """Inside, handler for each of signums; the handlers before come back after. Only the main
+    thread may set them: elsewhere nothing changes (yields None, else the handlers before)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    before = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield before
+    finally:
+        for s, old in before.items():
+            signal.signal(s, old)
+
+
 def children_ignore_ctrl_c():
     """Processes started inside ignore SIGINT from their first instruction (an ignored signal
     stays ignored across exec, and Python keeps it so): Ctrl-C reaches the terminal's whole
     group, and the parent stops its children in order, without their tracebacks."""
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
-        yield
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, before)
+    return handlers((signal.SIGINT,), signal.SIG_IGN)
 
 
-@contextlib.contextmanager
 def hold_ctrl_c():
     """A second Ctrl-C (or SIGTERM, SIGHUP) while the first is being handled (a checkpoint
     saved) is ignored; the handlers come back after, so a caller that goes on can be stopped."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    before = {s: signal.signal(s, signal.SIG_IGN) for s in stops}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+    return handlers(STOPS, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
 def defer_ctrl_c():
     """Ctrl-C (SIGTERM, SIGHUP) inside is raised as the block ends, not in the middle of it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     got = []
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    before = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in stops}
-    try:
+    with handlers(STOPS, lambda signum, frame: got.append(signum)) as before:
         yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
     if not got or before[got[0]] in (signal.SIG_IGN, None):
         return
     if before[got[0]] == signal.SIG_DFL:  # the signal's own default: sent again, now

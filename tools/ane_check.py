@@ -396,8 +396,7 @@ def environment(ctx):
         if device.type == 'mps':  # each dtype a run may take: does is_causal hide later tokens?
             cfg = hg.GPTConfig(**ctx['cfg'])
             D = cfg.n_embd // cfg.n_head  # the kernel MPS picks depends on the head size
-            T = min(ctx['T'], 256)
-            info['causal_attention'] = {str(d).replace('torch.', ''): settings.causal_attention_sound(device, d, T, D)
+            info['causal_attention'] = {str(d).replace('torch.', ''): settings.causal_attention_sound(device, d, ctx['T'], D)
                                         for d in (torch.float32, torch.float16, torch.bfloat16)}
     except hg.UserError as e:
         info['gpu_device_error'] = str(e)
