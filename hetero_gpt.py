@@ -1166,12 +1166,13 @@ def ane_engine(cfg, run, scaler, eager_engine=EagerEngine, threads=1, log=print)
     return eager_engine(model_config(cfg), run.ane_device, run.ane_dtype, scaler)
 
 
-def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine, ane_threads=1):
+def build_engines(cfg, model, run, log=print, eager_engine=EagerEngine, ane_threads=1,
+                  gpu_engine=AutogradEngine):
     """The engines run.mode needs: {'gpu': ..., 'ane': ...}."""
     engines = {}
     if run.mode in ('gpu', 'hetero'):
         scaler = LossScaler(cfg.loss_scale, cfg.scale_window)
-        engines['gpu'] = AutogradEngine(model, run.device, run.dtype, cfg.compile, scaler)
+        engines['gpu'] = gpu_engine(model, run.device, run.dtype, cfg.compile, scaler)
     if run.mode in ('ane', 'hetero'):
         fp16 = run.ane_dtype == torch.float16
         scaler = LossScaler(cfg.ane_loss_scale, cfg.scale_window, fp16, limit=ANE_OVERFLOW / 2)
@@ -1585,6 +1586,7 @@ def make_optimizer(model, cfg):
 class Classes:
     """The classes a run builds. A variant passes its subclasses here (tools/fast_standin.py)."""
     model: type = GPT
+    gpu_engine: type = AutogradEngine
     eager_engine: type = EagerEngine
     step: type = HeteroStep
     split: type = ProbingSplit
@@ -1600,7 +1602,8 @@ def build_run(cfg, run, log=print, classes=Classes()):
     if run.ane_programs and run.mode != 'gpu':  # the ANE's programs, exported once
         export_programs(cfg, run, log)
     ane_threads = worker.set_process_threads(run)  # this process's, and the ANE worker's
-    engines = build_engines(cfg, model, run, log, classes.eager_engine, ane_threads)
+    engines = build_engines(cfg, model, run, log, classes.eager_engine, ane_threads,
+                            classes.gpu_engine)
     n = len(distributed.rank_share(range(cfg.gradient_accumulation_steps)))  # this rank's
     fraction = {'gpu': 0.0, 'ane': 1.0}.get(run.mode, run.ane_fraction)
     step = classes.step(model, engines, classes.split(n, fraction), log=log, optimizer=optimizer)
