@@ -106,13 +106,15 @@ def test_model_matches_autograd_and_hands_over_its_own_buffers(engines, bias):
     loss, grads = eng.loss_and_grads(idx, targets)
     _, torch_grads = hg.AutogradEngine(model, CPU, torch.float32).loss_and_grads(idx, targets)
     assert loss.shape == () and loss.dtype == torch.float32 and abs(loss.item() / ref_loss - 1) <= 1e-6
-    assert worst(grads, ref)[0] <= 1e-5 and worst(torch_grads, ref)[0] <= 1e-5, (worst(grads, ref), worst(torch_grads, ref))
+    assert worst(grads, ref)[0] <= 1e-5, worst(grads, ref)
+    assert worst(torch_grads, ref)[0] <= 1e-5, worst(torch_grads, ref)
     # the layout fused AdamW and sum_grads need: the parameters' keys (the tied head once),
     # fp32, contiguous with the parameter's strides, each in its own buffer, writable in place
     params = dict(model.named_parameters())
     assert list(grads) == list(params) and 'lm_head.weight' not in grads
     for k, g in grads.items():
-        assert g.dtype == torch.float32 and g.device == CPU and g.is_contiguous() and g.stride() == params[k].stride(), k
+        assert g.dtype == torch.float32 and g.device == CPU, k
+        assert g.is_contiguous() and g.stride() == params[k].stride(), k
     assert len({g.data_ptr() for g in grads.values()}) == len(grads)
     again = eng.loss_and_grads(idx, targets)[1]
     for k in grads:  # (sum_grads adds a call's gradients into the first call's)
@@ -148,6 +150,23 @@ def test_fused_adamw_takes_a_wrong_step_from_a_transposed_view_and_not_from_the_
     assert (adamw_step(g, True) - adamw_step(g, False)).abs().max() <= 1e-7  # the engine's: none
 
 
+def test_gradients_come_through_the_host_without_torch_dlpack(engines, monkeypatch, capsys):
+    # a torch without MLX's DLPack device (kDLMetal before torch 2.9): the same gradients,
+    # copied through NumPy, said in one line
+    model = perturbed_model()
+    idx, targets = batch()
+    eng = engines(model)
+    ref = eng.loss_and_grads(idx, targets)[1]
+
+    def refuse(x):
+        raise BufferError("no such DLPack device")
+    monkeypatch.setattr(torch, 'from_dlpack', refuse)
+    for _ in range(2):
+        grads = eng.loss_and_grads(idx, targets)[1]
+        assert all(torch.equal(g, ref[k]) and g.stride() == ref[k].stride() for k, g in grads.items())
+    assert capsys.readouterr().out.count('gradients copied through the host') == 1
+
+
 # ---- the engine in the step, in threads, in bf16
 
 def run_steps(model, gpu, mode, n=10):
@@ -158,7 +177,8 @@ def run_steps(model, gpu, mode, n=10):
     if mode == 'hetero':
         engines['ane'] = hg.EagerEngine(CFG, CPU, torch.float16, hg.LossScaler(4096.0, 200))
     opt = hg.make_optimizer(model, cfg)
-    step = hg.HeteroStep(model, engines, hg.Split(4, {'gpu': 0.0, 'hetero': 0.5}[mode]), log=print, optimizer=opt)
+    split = hg.Split(4, {'gpu': 0.0, 'hetero': 0.5}[mode])
+    step = hg.HeteroStep(model, engines, split, log=print, optimizer=opt)
     losses = []
     try:
         for i in range(n):
@@ -207,7 +227,8 @@ def test_three_calling_threads_get_the_same_answer_from_one_trace(engines):
         out.append(pool.submit(eng.loss_and_grads, idx, targets).result())
     assert len(out) == 3 and eng.traces == 1
     for loss, grads in out[1:]:
-        assert torch.equal(loss, out[0][0]) and all(torch.equal(g, out[0][1][k]) for k, g in grads.items())
+        assert torch.equal(loss, out[0][0])
+        assert all(torch.equal(g, out[0][1][k]) for k, g in grads.items())
 
 
 def test_bf16_casts_the_fp32_weights_and_returns_fp32_gradients(engines):
@@ -234,7 +255,8 @@ def test_fp16_and_fp64_are_refused_in_one_line(data_dir, tmp_path, capsys, dtype
     with pytest.raises(SystemExit) as e:
         hg.main(argv, job=me.train, cls=me.MLXConfig)
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith('error: the MLX engine trains in float32 or bfloat16')
+    assert e.value.code == 2 and len(err) == 1
+    assert err[0].startswith('error: the MLX engine trains in float32 or bfloat16')
     assert dtype in err[0]
 
 
@@ -245,12 +267,14 @@ def test_without_mlx_it_says_how_to_install_it(data_dir, tmp_path):
     fake.mkdir(parents=True)
     (fake / '__init__.py').write_text("raise ImportError(\"No module named 'mlx'\")\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake.parent), ROOT]))
-    argv = [sys.executable, '-m', 'tools.mlx_engine', *helpers.flags(data_dir, tmp_path / 'out', mode='gpu')]
+    flags = helpers.flags(data_dir, tmp_path / 'out', mode='gpu')
+    argv = [sys.executable, '-m', 'tools.mlx_engine', *flags]
     r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
     assert err[0].startswith('error: the MLX engine needs MLX') and "pip install 'mlx" in err[0]
-    r = subprocess.run(argv[:3] + ['--help'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    argv = argv[:3] + ['--help']
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and '--mlx_cache_gb' in r.stdout
 
 
@@ -265,7 +289,8 @@ def test_the_command_line_trains_and_resumes_with_mlx(data_dir, tmp_path, capsys
     assert 'gpu: MLX ' in capsys.readouterr().out
     est = memory.preflight.estimate
     params = sum(p.numel() for p in model.parameters())
-    assert est['gpu_mlx_weights'] == 4 * params and est['gpu_mlx_cache'] == int(memory.total_memory() / 16)
+    assert est['gpu_mlx_weights'] == 4 * params
+    assert est['gpu_mlx_cache'] == int(memory.total_memory() / 16)
     hg.main(helpers.flags(data_dir, out, max_iters=6, resume=True, **kw), job=me.train, cls=me.MLXConfig)
     rows = helpers.rows(out)
     assert [r['step'] for r in rows] == [2, 4, 6] and os.path.exists(out / 'ckpt.pt')
@@ -291,11 +316,40 @@ def test_the_cli_in_hetero_mode_then_resumed(data_dir, tmp_path):
     # its worker process), 4 steps, then --resume to 6
     kw = dict(mode='hetero', ane_worker=True, log_interval=2, eval_interval=2)
     for more in (dict(max_iters=4), dict(max_iters=6, resume=True)):
-        argv = [sys.executable, '-m', 'tools.mlx_engine', *helpers.flags(data_dir, tmp_path / 'out', **kw, **more)]
+        argv = helpers.flags(data_dir, tmp_path / 'out', **kw, **more)
+        argv = [sys.executable, '-m', 'tools.mlx_engine', *argv]
         r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0 and 'Traceback' not in r.stderr, (r.stdout[-2000:], r.stderr[-2000:])
     assert 'gpu: MLX ' in r.stdout
     assert [row['step'] for row in helpers.rows(tmp_path / 'out')] == [2, 4, 6]
+
+
+def on_the_double(data_dir, cwd, program, out_dir):
+    """A 3-step gpu-mode run of program under the macOS double, whose MPS is the CPU presented
+    as 'mps': (what it printed, its metrics rows)."""
+    from test_macos import mac
+    argv = helpers.flags(data_dir, out_dir, mode='gpu', device=None, max_iters=3, log_interval=1,
+                         eval_interval=3)
+    r = mac([*program, *argv], cwd)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout, helpers.rows(cwd / out_dir)
+
+
+def test_the_mac_path_under_the_macos_double(data_dir, tmp_path):
+    # the Mac's code path: the wait on MPS before each call, the weights that cannot be shared
+    # (the double's are host memory, as torch's private MPS storage before 2.12) copied each
+    # call and said in one line, the gradients moved to 'mps'; it trains
+    out, rows = on_the_double(data_dir, tmp_path, ['-m', 'tools.mlx_engine'], 'mlx')
+    assert out.count('MLX engine: the weights are copied each call') == 1 and 'gpu: MLX ' in out
+    assert [r['step'] for r in rows] == [1, 2, 3] and all(0 < r['loss'] < 20 for r in rows)
+
+
+@pytest.mark.slow
+def test_the_mac_path_trains_as_hetero_gpt_under_the_macos_double(data_dir, tmp_path):
+    # the same run by hetero_gpt.py's own engine on the double's MPS: losses within 1e-4
+    a = on_the_double(data_dir, tmp_path, ['-m', 'tools.mlx_engine'], 'mlx')[1]
+    b = on_the_double(data_dir, tmp_path, [os.path.join(ROOT, 'hetero_gpt.py')], 'torch')[1]
+    assert len(a) == len(b) == 3 and max(abs(x['loss'] - y['loss']) for x, y in zip(a, b)) <= 1e-4
 
 
 # ---- the reference without tools/mlx_engine.py
@@ -304,8 +358,9 @@ WITHOUT = """
 import importlib.util, hetero_gpt as hg, prepare_data
 assert importlib.util.find_spec('tools.mlx_engine') is None
 prepare_data.prepare('tiny', data_dir='data', input_path='tiny.txt')
-tiny = ['--dataset', 'tiny', '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16', '--device', 'cpu',
-        '--max_iters', '2', '--eval_iters', '1', '--sample_tokens', '0', '--quiet', '--ane_worker', 'false']
+tiny = ['--dataset', 'tiny', '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16',
+        '--device', 'cpu', '--max_iters', '2', '--eval_iters', '1', '--sample_tokens', '0', '--quiet',
+        '--ane_worker', 'false']
 for mode in ('gpu', 'ane', 'hetero'):
     hg.main(tiny + ['--mode', mode, '--out_dir', 'out_' + mode, '--ane_fraction', '0.5'])
 """
@@ -313,13 +368,14 @@ for mode in ('gpu', 'ane', 'hetero'):
 
 def test_every_mode_trains_without_the_mlx_engine(tmp_path):
     # a copy of the project without tools/mlx_engine.py: nothing imports it, every mode trains
-    skip = shutil.ignore_patterns('.git', '.venv', 'venv-*', '.pytest_cache', '.bench', '__pycache__', '*.pyc',
-                                  '*.mlpackage', 'data', 'out*', 'mlx_engine.py')
+    skip = shutil.ignore_patterns('.git', '.venv', 'venv-*', '.pytest_cache', '.bench', '__pycache__',
+                                  '*.pyc', '*.mlpackage', 'data', 'out*', 'mlx_engine.py')
     shutil.copytree(ROOT, tmp_path, ignore=skip, dirs_exist_ok=True)
-    (tmp_path / 'tiny.txt').write_text('\n'.join(f"line {i} of the king and the queen" for i in range(300)))
+    lines = [f"line {i} of the king and the queen" for i in range(300)]
+    (tmp_path / 'tiny.txt').write_text('\n'.join(lines))
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    r = subprocess.run([sys.executable, '-c', WITHOUT], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, '-c', WITHOUT], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0 and 'Traceback' not in r.stderr, (r.stdout[-2000:], r.stderr[-2000:])
     for mode in ('gpu', 'ane', 'hetero'):
         assert [row['step'] for row in helpers.rows(tmp_path / f'out_{mode}')] == [2], mode

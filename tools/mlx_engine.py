@@ -128,6 +128,7 @@ class MLXThread:
 
     def __init__(self):
         self.jobs = queue.SimpleQueue()
+        self.busy = False  # a job running
         # a daemon, so an engine never closed does not hold the process at exit; idle then
         self.thread = threading.Thread(target=self.serve, name='mlx', daemon=True)
         self.thread.start()
@@ -138,7 +139,9 @@ class MLXThread:
             job = self.jobs.get()
             if job is None:
                 break
+            self.busy = True
             job()
+            self.busy = False
         mx.clear_cache()
         mx.clear_streams()  # before the thread ends (mlx.md 4)
 
@@ -158,10 +161,12 @@ class MLXThread:
 
     def close(self):
         """Frees MLX's cache and ends the thread, waiting: a daemon that wakes while Python
-        exits aborts the process (mlx.md 4)."""
+        exits aborts the process (mlx.md 4). Busy (Ctrl-C mid-step), it ends after its job,
+        unwaited: the process then exits at once (progress.exit_now_if_busy)."""
         if self.thread.is_alive():
             self.jobs.put(None)
-            self.thread.join()
+            if not self.busy:
+                self.thread.join()
 
 
 class MLXEngine(hg.Engine):
@@ -194,6 +199,7 @@ class MLXEngine(hg.Engine):
         self.alias = self.can_alias()  # the weights shared without a copy (mlx.md 2)
         self.w = None  # the shared weights, made in the first call
         self.ptrs = None  # their storage, which a re-made parameter would change
+        self.dlpack = True  # gradients to torch by DLPack, until it fails
         # MLX's free-buffer cache, bounded: two allocators share a Mac's memory (mlx.md 6)
         cache = memory.total_memory() / 16 if cache_gb is None else cache_gb * 2**30
         mx.set_cache_limit(int(cache))
@@ -220,10 +226,8 @@ class MLXEngine(hg.Engine):
     def weights(self):
         """{name: mx.array} of the model's weights now. Never a copy cached across steps: fused
         AdamW changes them without bumping a version counter (mlx.md 5)."""
-        if not self.alias:  # a copy into MLX's memory each call (mlx.md 2); none from CUDA
-            cpu = self.device.type == 'cuda'
-            return {k: mx.asarray(p.detach().cpu() if cpu else p.detach(), copy=True)
-                    for k, p in self.params.items()}
+        if not self.alias:  # a copy into MLX's memory each call, from the host (mlx.md 2)
+            return {k: mx.asarray(p.detach().cpu(), copy=True) for k, p in self.params.items()}
         ptrs = [p.data_ptr() for p in self.params.values()]
         if ptrs != self.ptrs:  # made once; AdamW's updates show through
             self.w = {k: mx.asarray(p.detach(), copy=False) for k, p in self.params.items()}
@@ -245,12 +249,24 @@ class MLXEngine(hg.Engine):
         out = {}
         seen = set()
         for k, p in self.params.items():
-            g = torch.from_dlpack(grads[k]).to(self.device)  # no copy where MLX's device is
+            g = self.to_torch(grads[k])
             if g.stride() != p.stride() or g.data_ptr() in seen:  # a guard; MLX's never are
                 g = torch.empty_like(p).copy_(g)
             seen.add(g.data_ptr())
             out[k] = g
         return torch.tensor(loss.item(), device=self.device), out
+
+    def to_torch(self, g):
+        """An evaluated MLX array as a tensor on the engine's device: by DLPack, no copy where
+        torch reads MLX's device (mlx.md 3); else a copy through the host, said once."""
+        if self.dlpack:
+            try:
+                return torch.from_dlpack(g).to(self.device)
+            except (RuntimeError, TypeError, BufferError) as e:
+                self.dlpack = False
+                print(f"MLX engine: gradients copied through the host, as this torch cannot "
+                      f"import MLX's arrays ({e})")
+        return torch.from_numpy(np.array(g)).to(self.device)
 
     def close(self):
         self.w = None
