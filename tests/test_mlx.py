@@ -280,20 +280,26 @@ def test_without_mlx_it_says_how_to_install_it(data_dir, tmp_path):
 
 # ---- the command line
 
-def test_the_command_line_trains_and_resumes_with_mlx(data_dir, tmp_path, capsys):
-    # python -m tools.mlx_engine's job in this process: 4 steps of gpu mode, then --resume to
-    # 6: the rows continue, the header names MLX, the preflight counted MLX's own memory
+def test_the_command_line_trains_stops_and_resumes_with_mlx(data_dir, tmp_path, capsys, ctrl_c):
+    # python -m tools.mlx_engine's job in this process, gpu mode to 6 steps: Ctrl-C at step 4
+    # saves it and ends the MLX thread; --resume goes on to 6, the rows continue; the header
+    # names MLX; the preflight counted MLX's own memory
     out = tmp_path / 'out'
-    kw = dict(mode='gpu', log_interval=2, eval_interval=2)
-    model = hg.main(helpers.flags(data_dir, out, max_iters=4, **kw), job=me.train, cls=me.MLXConfig)
-    assert 'gpu: MLX ' in capsys.readouterr().out
+    argv = helpers.flags(data_dir, out, mode='gpu', max_iters=6, log_interval=2, eval_interval=2)
+    ctrl_c.at(4)
+    with pytest.raises(SystemExit) as e:
+        hg.main(argv, job=me.train, cls=me.MLXConfig)
+    assert e.value.code == 130 and 'gpu: MLX ' in capsys.readouterr().out
+    assert not [t for t in threading.enumerate() if t.name == 'mlx']
     est = memory.preflight.estimate
-    params = sum(p.numel() for p in model.parameters())
+    tiny = {k: helpers.TINY[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size')}
+    params = sum(p.numel() for p in hg.GPT(hg.GPTConfig(**tiny)).parameters())
     assert est['gpu_mlx_weights'] == 4 * params
     assert est['gpu_mlx_cache'] == int(memory.total_memory() / 16)
-    hg.main(helpers.flags(data_dir, out, max_iters=6, resume=True, **kw), job=me.train, cls=me.MLXConfig)
-    rows = helpers.rows(out)
-    assert [r['step'] for r in rows] == [2, 4, 6] and os.path.exists(out / 'ckpt.pt')
+    assert torch.load(out / 'ckpt.pt', weights_only=False)['iter_num'] == 4
+    ctrl_c.off()
+    hg.main(argv + ['--resume', 'True'], job=me.train, cls=me.MLXConfig)
+    assert [r['step'] for r in helpers.rows(out)] == [2, 4, 6]
 
 
 def test_mlx_and_the_reference_train_alike_in_gpu_mode(data_dir, tmp_path):
