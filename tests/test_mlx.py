@@ -143,6 +143,11 @@ def test_fused_adamw_takes_a_wrong_step_from_a_transposed_view_and_not_from_the_
         p.grad = grad
         torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=fused, foreach=False).step()
         return p.detach()
+    p = torch.nn.Parameter(w[name].detach().clone())
+    p.grad = grads[name]
+    version = p._version
+    torch.optim.AdamW([p], fused=True).step()
+    assert p._version == version  # fused AdamW bumps no version: never cache by it (mlx.md 5)
     g = grads[name]
     view = g.t().contiguous().t()  # the same values, strides (1, rows)
     assert torch.equal(view, g) and view.stride() == (1, g.shape[0])
@@ -258,6 +263,13 @@ def test_fp16_and_fp64_are_refused_in_one_line(data_dir, tmp_path, capsys, dtype
     assert e.value.code == 2 and len(err) == 1
     assert err[0].startswith('error: the MLX engine trains in float32 or bfloat16')
     assert dtype in err[0]
+
+
+def test_a_negative_cache_limit_is_refused_in_one_line(data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        hg.main(helpers.flags(data_dir, tmp_path, mlx_cache_gb=-1), job=me.train, cls=me.MLXConfig)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == ["error: --mlx_cache_gb -1.0 is negative: pass a size in GiB (0: no cache)"]
 
 
 def test_without_mlx_it_says_how_to_install_it(data_dir, tmp_path):

@@ -283,6 +283,8 @@ def classes(cfg):
     """hetero_gpt.Classes with the MLX engine as the GPU engine (an error line without MLX)."""
     require_mlx()
     cache = getattr(cfg, 'mlx_cache_gb', math.nan)
+    if cache < 0:
+        raise hg.UserError(f"--mlx_cache_gb {cache} is negative: pass a size in GiB (0: no cache)")
     engine = functools.partial(MLXEngine, cache_gb=None if math.isnan(cache) else cache)
     return hg.Classes(gpu_engine=engine)
 
