@@ -18,6 +18,7 @@ import torch
 import hetero_gpt as hg
 import helpers
 
+os.environ.setdefault('MLX_ENABLE_TF32', '0')  # fp32 means fp32 on an M5's GPU too (mlx.md 6)
 mx = pytest.importorskip('mlx.core')
 me = pytest.importorskip('tools.mlx_engine')  # absent in the copy made without it
 from plumbing import memory  # noqa: E402
@@ -170,6 +171,39 @@ def test_gradients_come_through_the_host_without_torch_dlpack(engines, monkeypat
         grads = eng.loss_and_grads(idx, targets)[1]
         assert all(torch.equal(g, ref[k]) and g.stride() == ref[k].stride() for k, g in grads.items())
     assert capsys.readouterr().out.count('gradients copied through the host') == 1
+
+
+REAL_MAC = os.uname().sysname == 'Darwin' and torch.backends.mps.is_available()  # not the double
+
+
+@pytest.mark.skipif(not REAL_MAC, reason="needs a Mac's Metal and MPS")
+def test_on_a_mac_the_weights_are_shared_and_the_gradients_land_on_mps():
+    # torch >= 2.12 and mlx >= 0.32: MLX reads the MPS weights in place, so an in-place update
+    # by torch shows in MLX's arrays with no call between; the gradients come back on MPS,
+    # laid out as the parameters, and equal autograd's on MPS after a fused AdamW step
+    # (fp32 on both GPUs, ~1e-6 relative; bound 1e-4 as test_grads' fp32)
+    mps = torch.device('mps')
+    model = perturbed_model().to(mps)
+    eng = me.MLXEngine(model, mps, torch.float32)
+    try:
+        assert eng.alias and 'weights shared' in eng.label
+        idx, targets = batch()
+        grads = eng.loss_and_grads(idx, targets)[1]
+        params = dict(model.named_parameters())
+        assert all(g.device.type == 'mps' and g.stride() == params[k].stride() for k, g in grads.items())
+        with torch.no_grad():
+            params['transformer.wpe.weight'].add_(1.0)
+        torch.ones((), device=mps).item()
+        seen = np.array(eng.w['transformer.wpe.weight'])
+        assert np.array_equal(seen, params['transformer.wpe.weight'].detach().cpu().numpy())
+        for k, p in params.items():
+            p.grad = grads[k]
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True).step()
+        grads = eng.loss_and_grads(idx, targets)[1]
+        ref = hg.AutogradEngine(model, mps, torch.float32).loss_and_grads(idx, targets)[1]
+        assert worst({k: g.cpu() for k, g in grads.items()}, {k: r.cpu() for k, r in ref.items()})[0] <= 1e-4
+    finally:
+        eng.close()
 
 
 # ---- the engine in the step, in threads, in bf16
