@@ -86,16 +86,14 @@ def test_ranks_count_together():
 
 
 @needs_matplotlib
-def test_picture_is_written_beside_the_metrics(tmp_path, capsys):
-    # one run: out/metrics.png, its path printed; two: overlay.png in the first folder
+def test_runs_overlaid_beside_the_first(tmp_path, capsys):
+    # two runs: overlay.png in the first one's folder, its path printed, no .tmp left
     write_run(tmp_path / 'a')
     write_run(tmp_path / 'b', [row(5, 4.1, 0), row(10, 3.6, 0, val_loss=3.8)], tail='')
-    assert plot.main([str(tmp_path / 'a')]) == str(tmp_path / 'a' / 'metrics.png')
-    assert capsys.readouterr().out == f"{tmp_path / 'a' / 'metrics.png'}\n"
     assert plot.main([str(tmp_path / 'a'), str(tmp_path / 'b')]) == str(tmp_path / 'a' / 'overlay.png')
-    for name in ('metrics.png', 'overlay.png'):
-        assert (tmp_path / 'a' / name).read_bytes()[:8] == PNG
-    assert sorted(os.listdir(tmp_path / 'a')) == ['metrics.jsonl', 'metrics.png', 'overlay.png']  # no .tmp left
+    assert capsys.readouterr().out == f"{tmp_path / 'a' / 'overlay.png'}\n"
+    assert (tmp_path / 'a' / 'overlay.png').read_bytes()[:8] == PNG
+    assert sorted(os.listdir(tmp_path / 'a')) == ['metrics.jsonl', 'overlay.png']
 
 
 def test_without_matplotlib_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
@@ -116,18 +114,17 @@ def test_a_folder_without_a_run_is_one_line(tmp_path, capsys):
 
 
 @needs_matplotlib
-def test_a_real_resumed_run(data_dir, tmp_path, capsys):
-    # the trainer's own file: a hetero run of 10 steps, resumed to 15, logged every 5 steps with
-    # an evaluation each; the run's end names the command once
+def test_a_real_resumed_run(data_dir, finished_run, tmp_path, capsys):
+    # the trainer's own file: a run of 10 steps (GPU alone), resumed to 15, logged every 5 steps
+    # with an evaluation each: out/metrics.png; the resumed run's end names the command once
     out = tmp_path / 'run'
-    helpers.train(data_dir, out, max_iters=10, mode='hetero', ane_fraction=0.5)
+    shutil.copytree(finished_run, out)
     helpers.train(data_dir, out, max_iters=15, resume=True)
-    said = capsys.readouterr().out
+    assert capsys.readouterr().out.count(f"its curves as a picture: python -m tools.plot {out}\n") == 1
     rows = plot.read_rows(out / 'metrics.jsonl')
     s = plot.series(rows)
     assert s['loss']['validation'][0] == s['loss']['training'][0] == [r['tokens'] for r in rows] == [320, 640, 960]
-    assert s['share']['ANE share'] == ([5, 10, 15], [50.0, 50.0, 50.0])
-    assert said.count(f"its curves as a picture: python -m tools.plot {out}\n") == 2  # once a process
+    assert s['share']['ANE share'] == ([5, 10, 15], [0.0, 0.0, 0.0]) and s['scale'] == {}
     assert plot.main([str(out)]) == str(out / 'metrics.png') and (out / 'metrics.png').read_bytes()[:8] == PNG
 
 
@@ -243,6 +240,7 @@ def flat(row, head=''):
     return out
 
 
+@pytest.mark.slow  # a process of its own, with wandb's service: ~5 s
 def test_wandb_offline_files_hold_the_rows(data_dir, tmp_path):
     # a real wandb, offline (files only), in a process of its own: the run's file, read back by
     # wandb's own reader (`wandb leet inspect --json`), holds metrics.jsonl's rows at their
@@ -285,6 +283,7 @@ except SystemExit as e:
 """
 
 
+@pytest.mark.slow  # a copy of the project, trained in a process of its own: ~5 s
 def test_the_project_without_plot_py(tmp_path):
     # deleted, nothing else changes: the trainer trains (and names no command to draw it), bench.py
     # says in one line what --plot lacks

@@ -149,8 +149,9 @@ def title(name, rows):
     last = rows[-1]
     best = best_row(rows)
     best = f", best validation loss {best['val_loss']:.3f} (step {best['step']:,})" if best else ''
+    took = f"{last['elapsed']:.0f} s" if last['elapsed'] < 120 else f"{last['elapsed'] / 60:.1f} min"
     return (f"{name}: mode {last.get('mode', '?')}, {last['step']:,} steps, {last['tokens']:,} tokens, "
-            f"{last['elapsed'] / 60:.1f} min of training{best}")
+            f"{took} of training{best}")
 
 
 # -----------------------------------------------------------------------------
@@ -164,9 +165,12 @@ def draw(runs, path, plt):
     fig, axes = plt.subplots(3, 2, figsize=(12, 9.6))
     axes = dict(zip([p[0] for p in PANELS], axes.flat))
     drawn = {p[0]: {} for p in PANELS}  # panel: {label: its style}
-    for i, (name, rows) in enumerate(runs.items()):
-        for panel, lines in series(rows).items():
-            for j, (label, (xs, ys)) in enumerate(lines.items()):
+    every = [series(rows) for rows in runs.values()]
+    labels = {p[0]: list(dict.fromkeys(k for s in every for k in s[p[0]])) for p in PANELS}
+    for i, run in enumerate(every):
+        for panel, lines in run.items():
+            for label, (xs, ys) in lines.items():
+                j = labels[panel].index(label)  # a label's colour or style, the same in every run
                 style = dict(color=f'C{i}' if several else f'C{j}', lw=1.5)
                 if label in MARKS:
                     style |= dict(marker=MARKS[label], ls='none', ms=12 if label == 'best checkpoint' else 8,
@@ -283,7 +287,7 @@ def bench_chart(rows, against_gpu, overlap, path):
         ax.set_ylim(0, 1.3 * max(b[1] for b in bs))  # room for the labels
     axes[0].set_title('Tokens per second (higher is better)', fontsize=11)
     axes[1].set_title('Energy per token (lower is better)', fontsize=11)
-    fig.suptitle(f"hetero / (gpu + ane alone) = {overlap:.3f}", fontsize=11)
+    fig.suptitle(f"hetero / (gpu + ane alone) = {overlap:.3f} (1.0: the engines overlap perfectly)", fontsize=11)
     fig.tight_layout()
     save(fig, path, plt)
     return path
