@@ -108,9 +108,8 @@ def series(rows):
     share = {r['step']: 100 * r['ane_microbatches'] / r['microbatches'] for r in logged}
     if logged:
         out['share']['ANE share'] = (list(share), list(share.values()))
-    for (label, key), marked in events(logged).items():
-        if marked:
-            out['share'][label] = (marked, [share[s] for s in marked])
+    for label, marked in events(logged).items():
+        out['share'][label] = (marked, [share[s] for s in marked])
     out['scale']['ANE'] = column(rows, 'step', 'loss_scale')
     out['energy']['J/token'] = column(rows, 'step', 'joules_per_token')
     out['norm']['gradient norm'] = column(trained, 'step', 'grad_norm')
@@ -124,16 +123,17 @@ def column(rows, x, y):
 
 
 def events(logged):
-    """{(label, engine or ''): [steps]}: the logged steps by which an engine's share was left
-    out (dropped) or a step made no update (skipped), since the row before."""
+    """{label: [steps]}: the logged steps by which an engine's share was left out (dropped), or
+    a step made no update (skipped), since the row before."""
     engines = sorted({n for r in logged for n in r['dropped']})
-    found = {(f'{n} share dropped', n): [] for n in engines} | {('no update (skipped)', ''): []}
+    found = {}
     before = {}
     for r in logged:
-        counts = {n: r['dropped'].get(n, 0) for n in engines} | {'': r['skipped']}
-        for (label, key), steps in found.items():
-            if new_counts(before.get(key, 0), counts[key]) > 0:
-                steps.append(r['step'])
+        counts = {f'{n} share dropped': r['dropped'].get(n, 0) for n in engines}
+        counts['no update (skipped)'] = r['skipped']
+        for label, count in counts.items():
+            if new_counts(before.get(label, 0), count) > 0:
+                found.setdefault(label, []).append(r['step'])
         before = counts
     return found
 
@@ -147,10 +147,13 @@ def best_row(rows):
 def title(name, rows):
     """One line about a run: its mode, steps, tokens, training time and best validation loss."""
     last = rows[-1]
+    modes = [r['mode'] for r in rows if 'mode' in r]  # (an evaluation's own row has none)
+    mode = modes[-1] if modes else '?'
     best = best_row(rows)
     best = f", best validation loss {best['val_loss']:.3f} (step {best['step']:,})" if best else ''
-    took = f"{last['elapsed']:.0f} s" if last['elapsed'] < 120 else f"{last['elapsed'] / 60:.1f} min"
-    return (f"{name}: mode {last.get('mode', '?')}, {last['step']:,} steps, {last['tokens']:,} tokens, "
+    seconds = last['elapsed']
+    took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+    return (f"{name}: mode {mode}, {last['step']:,} steps, {last['tokens']:,} tokens, "
             f"{took} of training{best}")
 
 
@@ -173,8 +176,8 @@ def draw(runs, path, plt):
                 j = labels[panel].index(label)  # a label's colour or style, the same in every run
                 style = dict(color=f'C{i}' if several else f'C{j}', lw=1.5)
                 if label in MARKS:
-                    style |= dict(marker=MARKS[label], ls='none', ms=12 if label == 'best checkpoint' else 8,
-                                  mec='black', mew=0.6)
+                    size = 12 if label == 'best checkpoint' else 8
+                    style |= dict(marker=MARKS[label], ls='none', ms=size, mec='black', mew=0.6)
                 else:
                     style |= dict(ls=LINES[j % len(LINES)] if several else '-',
                                   marker='o' if len(xs) <= 12 else None, ms=4)
@@ -193,7 +196,8 @@ def draw(runs, path, plt):
             ax.set_xticks([])
             ax.set_yticks([])
             continue
-        handles = [Line2D([], [], **(s | dict(color='0.3') if several else s)) for s in drawn[panel].values()]
+        gray = dict(color='0.3') if several else {}  # several runs: the colours are the runs'
+        handles = [Line2D([], [], **(s | gray)) for s in drawn[panel].values()]
         ax.legend(handles, drawn[panel], fontsize=8, loc='best')
     axes['speed'].yaxis.set_major_formatter(EngFormatter(sep=''))
     axes['share'].set_ylim(-5, 105)
@@ -201,11 +205,12 @@ def draw(runs, path, plt):
         axes['scale'].set_yscale('log', base=2)
     heads = [title(name, rows) for name, rows in runs.items()]
     if several:
-        fig.legend([Line2D([], [], color=f'C{i}') for i in range(len(runs))], heads, loc='upper center',
-                   ncol=1, fontsize=9, frameon=False)
+        colours = [Line2D([], [], color=f'C{i}') for i in range(len(runs))]
+        fig.legend(colours, heads, loc='upper center', fontsize=9, frameon=False)
     else:
         fig.suptitle(heads[0], fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.025 * len(runs)))
+    top = 0.93 - 0.025 * len(runs) if several else 0.92  # room for the title or the runs
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.06, top=top, hspace=0.42, wspace=0.2)
     save(fig, path, plt)
     return path
 
@@ -218,11 +223,13 @@ def save(fig, path, plt):
     fig.savefig(drawn, format='png', dpi=100)
     plt.close(fig)
     tmp = path + '.tmp'
-    Image.open(drawn).convert('RGB').quantize(256, method=Image.Quantize.FASTOCTREE).save(tmp, format='png')
+    image = Image.open(drawn).convert('RGB')
+    image.quantize(256, method=Image.Quantize.FASTOCTREE).save(tmp, format='png')
     os.replace(tmp, path)
 
 
 def fail(text):
+    """A user's error: one line, exit 2."""
     print(f"error: {text}", file=sys.stderr)
     sys.exit(2)
 
@@ -231,8 +238,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="A run's curves as one PNG: loss, tokens/s, the ANE's "
                                             "share, loss scale, J/token, gradient norm.")
     p.add_argument('out_dirs', nargs='+', help="a run's out_dir (several: overlaid)")
-    p.add_argument('--output', default='', help="the PNG (default: the first out_dir's metrics.png, "
-                                                "or overlay.png for several)")
+    p.add_argument('--output', default='',
+                   help="the PNG (default: the first out_dir's metrics.png; several: overlay.png)")
     args = p.parse_args(argv)
     plt = pyplot()
     if plt is None:
@@ -241,7 +248,7 @@ def main(argv=None):
     for d in args.out_dirs:
         path = os.path.join(d, 'metrics.jsonl')
         if not os.path.isfile(path):
-            fail(f"{path} is missing: give a run's out_dir (a run writes it at its first logged step)")
+            fail(f"{path} is missing: give a run's out_dir (written from its first logged step)")
         rows = read_rows(path)
         if not rows:
             fail(f"{path} has no rows yet: a run writes one every --log_interval steps")
@@ -262,10 +269,14 @@ def main(argv=None):
 def bench_bars(rows, against_gpu):
     """{panel: [(mode, value, its label)]}: bench.py's tokens/s (x GPU-only) and J/token (% vs
     GPU-only) per mode; no J/token panel without a meter."""
-    speed = [(m, r['tok_s'], f"{r['tok_s']:,.0f}\n{against_gpu[m][0]:.3f}x GPU-only") for m, r in rows.items()]
-    energy = [(m, r['j_tok'], f"{r['j_tok']:.3g}" + ('' if against_gpu[m][1] is None else
-                                                   f"\n{against_gpu[m][1]:+.1f}% vs GPU-only"))
-              for m, r in rows.items() if r['j_tok'] is not None]
+    speed = [(m, r['tok_s'], f"{r['tok_s']:,.0f}\n{against_gpu[m][0]:.3f}x GPU-only")
+             for m, r in rows.items()]
+    energy = []
+    for m, r in rows.items():
+        dj = against_gpu[m][1]  # None where GPU-only's J/token is none or 0
+        vs_gpu = '' if dj is None else f"\n{dj:+.1f}% vs GPU-only"
+        if r['j_tok'] is not None:
+            energy.append((m, r['j_tok'], f"{r['j_tok']:.3g}{vs_gpu}"))
     return {'tokens/s': speed, 'J/token': energy}
 
 
@@ -282,12 +293,14 @@ def bench_chart(rows, against_gpu, overlap, path):
             ax.text(0.5, 0.5, "no energy meter here: J/token n/a", ha='center', va='center',
                     transform=ax.transAxes, color='0.4')
             continue
-        drawn = ax.bar([b[0] for b in bs], [b[1] for b in bs], color=[f'C{i}' for i in range(len(bs))])
+        colours = [f'C{i}' for i in range(len(bs))]
+        drawn = ax.bar([b[0] for b in bs], [b[1] for b in bs], color=colours)
         ax.bar_label(drawn, [b[2] for b in bs], fontsize=9)
         ax.set_ylim(0, 1.3 * max(b[1] for b in bs))  # room for the labels
     axes[0].set_title('Tokens per second (higher is better)', fontsize=11)
     axes[1].set_title('Energy per token (lower is better)', fontsize=11)
-    fig.suptitle(f"hetero / (gpu + ane alone) = {overlap:.3f} (1.0: the engines overlap perfectly)", fontsize=11)
+    fig.suptitle(f"hetero / (gpu + ane alone) = {overlap:.3f} (1.0: the engines overlap perfectly)",
+                 fontsize=11)
     fig.tight_layout()
     save(fig, path, plt)
     return path
