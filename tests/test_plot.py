@@ -171,6 +171,18 @@ def test_bench_chart_is_written(tmp_path):
     assert open(path, 'rb').read(8) == PNG
 
 
+@pytest.mark.slow  # bench.py's warm-up: 3 s a mode
+@needs_matplotlib
+def test_bench_plot_draws_its_table(data_dir, tmp_path, capsys):
+    import bench
+    path = str(tmp_path / 'bench.png')
+    cfg, given = hg.parse_args(helpers.flags(data_dir, bench_iters=1, bench_repeats=1,
+                                             ane_fraction=0.5, plot=path), bench.BenchConfig)
+    bench.bench(cfg, given)
+    assert capsys.readouterr().out.endswith(f"chart: {path}\n")
+    assert open(path, 'rb').read(8) == PNG
+
+
 def test_bench_plot_without_matplotlib_stops_before_benchmarking(data_dir, monkeypatch, capsys):
     # checked first: the data set named here does not exist, and is never reached
     import bench

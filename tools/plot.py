@@ -292,6 +292,8 @@ def bench_chart(rows, against_gpu, overlap, path):
         if not bs:
             ax.text(0.5, 0.5, "no energy meter here: J/token n/a", ha='center', va='center',
                     transform=ax.transAxes, color='0.4')
+            ax.set_xticks([])
+            ax.set_yticks([])
             continue
         colours = [f'C{i}' for i in range(len(bs))]
         drawn = ax.bar([b[0] for b in bs], [b[1] for b in bs], color=colours)
