@@ -25,7 +25,7 @@ class BenchConfig(hg.Config):
     bench_repeats: int = hg.setting(3, "rounds: the modes take turns, each reports its median round")
     fast: bool = hg.setting(False, "run tools/fast_standin.py's model and stand-in")
     fused_kernels: bool = hg.setting(False, "with --fast: the stand-in's pieces as fused kernels")
-    plot: str = hg.setting('', "also draw the table as a bar chart in this PNG file (needs matplotlib)")
+    plot: str = hg.setting('', "also draw the table as bars in this PNG file (needs matplotlib)")
 
 
 def device_synchronize(device):
@@ -151,7 +151,7 @@ def bench(cfg, given):
 
 
 def chart_maker(path):
-    """--plot: tools/plot.py's bench_chart, once it and matplotlib are found; None without --plot."""
+    """--plot: tools/plot.py's bench_chart, once it and matplotlib are found (else None)."""
     if not path:
         return None
     try:

@@ -237,7 +237,8 @@ class Tracker:
         try:
             return call()
         except Exception as e:
-            say(f"wandb stopped logging ({one_line(e)}); training goes on, metrics.jsonl has every row")
+            say(f"wandb stopped logging ({one_line(e)}); training goes on, "
+                "metrics.jsonl has every row")
             self.run = None
             return None
 
@@ -251,8 +252,8 @@ class Tracker:
             self.run = None
 
 
-def plot_command(out_dir):
-    """The line that says how to draw a run's curves, where tools/plot.py is (a fork may delete it)."""
+def say_plot_command(out_dir):
+    """How to draw a run's curves, in a line, where tools/plot.py is (a fork may delete it)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.path.isfile(os.path.join(root, 'tools', 'plot.py')):
         print(f"its curves as a picture: python -m tools.plot {shlex.quote(out_dir)}")

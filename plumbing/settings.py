@@ -279,7 +279,8 @@ def check_wandb():
     try:
         import wandb  # noqa: F401
     except ImportError:
-        raise UserError("--wandb_log needs wandb: pip install wandb, or leave --wandb_log out") from None
+        raise UserError("--wandb_log needs wandb: pip install wandb, "
+                        "or leave --wandb_log out") from None
 
 
 def mac_without_ane():
