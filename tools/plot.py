@@ -25,7 +25,7 @@ PANELS = (('loss', 'Loss', 'tokens trained', 'cross-entropy (nats/token)'),
           ('speed', 'Throughput', 'step', 'tokens/s'),
           ('share', "The ANE's share", 'step', 'ANE microbatches (% of the step)'),
           ('scale', 'Loss scale (fp16)', 'step', 'loss scale (x, log2 axis)'),
-          ('energy', 'Energy', 'step', 'energy (J/token)'),
+          ('energy', 'Energy', 'step', 'energy per token (J)'),
           ('norm', 'Gradient norm', 'step', 'L2 norm, before clipping'))
 # what a panel says when no run has its values
 EMPTY = dict(scale="no fp16 ANE engine in this run (modes ane and hetero have one)",
@@ -200,6 +200,7 @@ def draw(runs, path, plt):
         handles = [Line2D([], [], **(s | gray)) for s in drawn[panel].values()]
         ax.legend(handles, drawn[panel], fontsize=8, loc='best')
     axes['speed'].yaxis.set_major_formatter(EngFormatter(sep=''))
+    axes['energy'].yaxis.set_major_formatter(EngFormatter(unit='J'))  # 2.6 mJ, not 0.0026
     axes['share'].set_ylim(-5, 105)
     if drawn['scale']:
         axes['scale'].set_yscale('log', base=2)
@@ -210,7 +211,7 @@ def draw(runs, path, plt):
     else:
         fig.suptitle(heads[0], fontsize=11)
     top = 0.93 - 0.025 * len(runs) if several else 0.92  # room for the title or the runs
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.06, top=top, hspace=0.42, wspace=0.2)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.06, top=top, hspace=0.42, wspace=0.2)
     save(fig, path, plt)
     return path
 
