@@ -256,6 +256,21 @@ def test_wandb_logs_from_rank_0_alone(monkeypatch, tmp_path):
     assert len(runs) == 1 and runs[0].rows == [(1, dict(step=1))] and runs[0].finished
 
 
+def test_wandb_that_cannot_start_is_said_once(monkeypatch, capsys):
+    # wandb.init raising (no login, say): one line, and the run logs to metrics.jsonl alone
+    from plumbing import progress
+
+    def init(**settings):
+        raise RuntimeError("api_key not configured (no-tty)")
+    monkeypatch.setitem(sys.modules, 'wandb', types.SimpleNamespace(init=init))
+    tracker = progress.Tracker(hg.Config(wandb_log=True))
+    tracker.log(dict(step=1))
+    tracker.finish()
+    assert tracker.run is None
+    assert capsys.readouterr().out == ("wandb stopped logging (RuntimeError: api_key not configured "
+                                       "(no-tty)); training goes on, metrics.jsonl has every row\n")
+
+
 def test_wandb_log_without_wandb_stops_at_start(data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, 'wandb', None)  # import wandb fails
     assert helpers.main(data_dir, tmp_path / 'run', wandb_log=True) == 2
