@@ -25,6 +25,7 @@ class BenchConfig(hg.Config):
     bench_repeats: int = hg.setting(3, "rounds: the modes take turns, each reports its median round")
     fast: bool = hg.setting(False, "run tools/fast_standin.py's model and stand-in")
     fused_kernels: bool = hg.setting(False, "with --fast: the stand-in's pieces as fused kernels")
+    plot: str = hg.setting('', "also draw the table as bars in this PNG file (needs matplotlib)")
 
 
 def device_synchronize(device):
@@ -106,6 +107,7 @@ def bench(cfg, given):
     not fit the 16-24 GB that the GPU and the ANE share with the host."""
     if min(cfg.bench_iters, cfg.bench_repeats) < 1:
         raise hg.UserError("--bench_iters and --bench_repeats must be at least 1")
+    chart = chart_maker(cfg.plot)  # --plot's needs, found before any benchmark
     cfg, run = hg.setup(cfg, given)
     classes = hg.Classes()
     if cfg.fast:
@@ -143,7 +145,22 @@ def bench(cfg, given):
           f"speeds that hetero reaches, 1.0 a perfect overlap; medians of {cfg.bench_repeats} rounds of "
           f"{cfg.bench_iters} steps per mode)" + ('' if g['j_tok'] else "; J/token n/a: no energy meter here "
                                                   "(on a Mac, powermetrics needs `sudo -v` first)"))
+    if chart:
+        print(f"chart: {chart(rows, against_gpu, overlap, cfg.plot)}")
     return rows
+
+
+def chart_maker(path):
+    """--plot: tools/plot.py's bench_chart, once it and matplotlib are found (else None)."""
+    if not path:
+        return None
+    try:
+        from tools import plot  # defines: bench_chart, pyplot, NO_MATPLOTLIB
+    except ImportError:
+        raise hg.UserError("--plot needs tools/plot.py, which is absent") from None
+    if plot.pyplot() is None:
+        raise hg.UserError(f"--plot: {plot.NO_MATPLOTLIB}")
+    return plot.bench_chart
 
 
 if __name__ == '__main__':

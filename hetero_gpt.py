@@ -43,7 +43,7 @@ from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or p
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
 from plumbing import pretrained  # defines: load (OpenAI's GPT-2 in this layout)
 from plumbing import progress  # defines: logger, header, Metrics, Display, with_val, defer_ctrl_c,
-#   stop_run, ctrl_c_exits
+#   stop_run, ctrl_c_exits, say_plot_command
 from plumbing import programs  # defines: ensure, read_meta, load_compiled, load_summary,
 #   numpy_programs, check_shapes, coreml_predict, peaks
 from plumbing import settings  # defines: parse_args, import_coremltools, one_line,
@@ -133,6 +133,9 @@ class Config(GPTConfig):
     eval_iters: int = setting(20, "validation batches per evaluation "
                                   "(0: the full validation split)")
     log_interval: int = setting(10, "print and log training metrics every this many steps")
+    wandb_log: bool = setting(False, "also log metrics.jsonl's rows to Weights & Biases")
+    wandb_project: str = setting('heteroengine', "wandb project (nanoGPT's: owt)")
+    wandb_run_name: str = setting('gpt2', "wandb run name")
     out_dir: str = setting('out', "checkpoints and metrics.jsonl go here")
     resume: bool = setting(False, "resume from out_dir/ckpt.pt")
     init_from: str = setting('scratch', "scratch, or GPT-2's weights: gpt2, gpt2-medium, "
@@ -1716,6 +1719,8 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
         # the run ends holding its best weights, and shows text from them
         checkpoints.closing_sample(model, ckpt_path, cfg.sample_tokens, run.device,
                                    eval_engine.autocast)
+    if rank == 0:  # how to see the run as a picture
+        progress.say_plot_command(cfg.out_dir)
     return model
 
 

@@ -4,9 +4,11 @@ What a person sees while a run works: a live elapsed time where progress cannot 
 Ctrl-C as one line and exit code 130. And what the run logs: metrics.jsonl's rows.
 """
 import contextlib
+import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -16,6 +18,7 @@ from tqdm import tqdm
 
 from .distributed import gather, world
 from .memory import measured
+from .settings import one_line
 
 tqdm.monitor_interval = 0  # no monitor thread: every thread a run starts ends with it
 
@@ -185,6 +188,7 @@ class Metrics:
         path = os.path.join(cfg.out_dir, 'metrics.jsonl') if rank == 0 else os.devnull
         self.file = open(path, 'a')
         self.last = prog.elapsed, prog.tokens, meter.joules()  # the last row's clock, tokens and joules
+        self.tracker = Tracker(cfg) if rank == 0 and cfg.wandb_log else None
 
     def row(self, prog, lr, out):
         """A logged step's row: the step's values, and this rank's own; under torchrun, every
@@ -208,9 +212,51 @@ class Metrics:
         if row:
             self.file.write(json.dumps(row) + '\n')
             self.file.flush()
+            if self.tracker:
+                self.tracker.log(row)
 
     def close(self):
         self.file.close()
+        if self.tracker:
+            self.tracker.finish()
+
+
+class Tracker:
+    """--wandb_log, as nanoGPT's: the run's settings once, then metrics.jsonl's rows at the same
+    steps, in a Weights & Biases run (WANDB_MODE=offline: files only). An error of wandb's stops
+    its logging, said once; never the training."""
+
+    def __init__(self, cfg):
+        import wandb  # (settings.check found it at start)
+        settings = dataclasses.asdict(cfg)
+        self.run = self.guard(lambda: wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
+                                                 config=settings))
+
+    def guard(self, call):
+        """call(), or None after one line if it raised: wandb logs no more."""
+        try:
+            return call()
+        except Exception as e:
+            say(f"wandb stopped logging ({one_line(e)}); training goes on, "
+                "metrics.jsonl has every row")
+            self.run = None
+            return None
+
+    def log(self, row):
+        if self.run:
+            self.guard(lambda: self.run.log(row, step=row['step']))
+
+    def finish(self):
+        if self.run:
+            self.guard(self.run.finish)
+            self.run = None
+
+
+def say_plot_command(out_dir):
+    """How to draw a run's curves, in a line, where tools/plot.py is (a fork may delete it)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, 'tools', 'plot.py')):
+        print(f"its curves as a picture: python -m tools.plot {shlex.quote(out_dir)}")
 
 
 def with_val(row, prog, val):

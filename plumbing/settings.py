@@ -274,6 +274,15 @@ def check_coreml():
                         f"wheel for Python {platform.python_version()}; use Python 3.9 to 3.13 (3.13: coremltools 9 or newer), or `python hetero_gpt.py --mode gpu`") from None
 
 
+def check_wandb():
+    """--wandb_log needs wandb: found at start, not at the first logged step."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UserError("--wandb_log needs wandb: pip install wandb, "
+                        "or leave --wandb_log out") from None
+
+
 def mac_without_ane():
     """On a Mac: why this Python cannot reach the Neural Engine ('' if it can). Under Rosetta
     an Apple Silicon Mac reports x86_64, and sysctl.proc_translated is 1 (Apple, "About the
@@ -394,6 +403,8 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print, kept=frozenset()):
     if ON_MAC and cfg.mode != 'gpu':
         check_coreml()
         check_ane_alignment(cfg, cfg.block_size)
+    if cfg.wandb_log:
+        check_wandb()
     # the settings given that this run does not use, said once: a flag is never a silent no-op
     gpu16 = dtype == torch.float16 and cfg.mode != 'ane'  # which engines scale their loss
     ane16 = cfg.mode != 'gpu' and ane_dtype == torch.float16
@@ -406,6 +417,7 @@ def check(cfg, given, cpu_defaults, mac_defaults, log=print, kept=frozenset()):
                 ane_worker=cfg.mode == 'gpu', ane_load_timeout=not worker,
                 ane_evaluator=ON_MAC or cfg.mode == 'gpu')
     moot |= dict.fromkeys(('ane_device', 'ane_dtype'), ON_MAC or cfg.mode == 'gpu')
+    moot |= dict.fromkeys(('wandb_project', 'wandb_run_name'), not cfg.wandb_log)
     if unused := [f'--{k}' for k in moot if moot[k] and k in given]:
         log(f"not used by this run (mode {cfg.mode}{', macOS' if ON_MAC else ''}{'' if fp16 else ', no fp16 engine'}): "
             + ', '.join(unused))

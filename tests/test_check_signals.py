@@ -291,15 +291,15 @@ def test_the_gradients_stage_judges_the_loss(exported, monkeypatch):
 
 @pytest.mark.slow  # two coreml stages under the double
 def test_a_fallback_the_compute_plan_hides_is_a_warning(tmp_path, exported):
-    # programs on the CPU 3x slower than on the ANE: each program's CPU_AND_NE time is then about
-    # a third of its CPU_ONLY time, and the stage passes. With a fallback the plan hides, the plan
+    # programs on the CPU 10x slower than on the ANE: each program's CPU_AND_NE time is then about
+    # a tenth of its CPU_ONLY time, and the stage passes, with room for a loaded machine's noise. With a fallback the plan hides, the plan
     # says 100% on the ANE, but CPU_AND_NE takes the CPU's time: a warning, naming each program
     from test_macos import programs_in
     out = programs_in(tmp_path, exported, CHECK_CFG, B=2, T=32)
     check = [EXPORT, '--check', *CHECK_MODEL, '--out', out, '--stages', 'coreml', '--check_report', 'c.json']
     verdicts = {}
     for fallback in ('0', 'hidden'):
-        r = mac(check, tmp_path, cpu_slowdown=3, ane_fallback=fallback)
+        r = mac(check, tmp_path, cpu_slowdown=10, ane_fallback=fallback)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         rec = next(s for s in json.load(open(tmp_path / 'c.json'))['stages'] if s['name'] == 'coreml')
         assert all(v['placement']['ane_share_of_ops'] == 1.0 for v in rec['result'].values()), rec

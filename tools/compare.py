@@ -39,7 +39,8 @@ from plumbing import progress  # defines: with_val
 
 MODES = ('gpu', 'ane', 'hetero')
 OWN_FLAGS = ('mode', 'seed', 'eval_iters', 'resume')  # this study sets or forbids these
-UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_programs', 'device', 'dist_timeout')  # may differ when reused
+UNCHECKED = ('quiet', 'resume', 'sample_tokens', 'ane_programs', 'device', 'dist_timeout',
+             'wandb_log', 'wandb_project', 'wandb_run_name')  # may differ when reused
 # (device too: finished runs made on a GPU machine can be summarized on another one)
 
 # -----------------------------------------------------------------------------
