@@ -248,10 +248,10 @@ def bench(cfg, given):
         print(line)
     print(split_line(rows, run.ane_fraction is None))
     print(f"machine: {ane_check.machine_line(ane_check.machine())}")
-    print(f"settings: {cfg.n_layer} layers x {cfg.n_embd} wide, microbatches of {cfg.batch_size} x "
-          f"{cfg.block_size} tokens, {cfg.gradient_accumulation_steps} a step, the GPU engines in "
-          f"{dtype}; medians of {cfg.bench_repeats} rounds of {cfg.bench_iters} steps, "
-          f"{cooldown:g} s cooldowns\n")
+    print(f"settings: a {cfg.n_layer}-layer {cfg.n_embd}-wide GPT-2, microbatches of "
+          f"{cfg.batch_size} x {cfg.block_size} tokens, {cfg.gradient_accumulation_steps} a step, "
+          f"the GPU engines in {dtype}; medians of {cfg.bench_repeats} rounds of "
+          f"{cfg.bench_iters} steps, {cooldown:g} s cooldowns\n")
     for line in table(rows):
         print(line)
     return rows
