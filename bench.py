@@ -250,8 +250,8 @@ def bench(cfg, given):
     print(f"machine: {ane_check.machine_line(ane_check.machine())}")
     print(f"settings: a {cfg.n_layer}-layer {cfg.n_embd}-wide GPT-2, microbatches of "
           f"{cfg.batch_size} x {cfg.block_size} tokens, {cfg.gradient_accumulation_steps} a step, "
-          f"the GPU engines in {dtype}; medians of {cfg.bench_repeats} rounds of "
-          f"{cfg.bench_iters} steps, {cooldown:g} s cooldowns\n")
+          f"the GPU engines in {dtype}; rounds: {cfg.bench_repeats} of {cfg.bench_iters} steps "
+          f"an arm (the median reported); cooldowns: {cooldown:g} s\n")
     for line in table(rows):
         print(line)
     return rows

@@ -72,7 +72,7 @@ def test_both_engines_arms_on_engines_of_known_speed(data_dir, capsys, monkeypat
     monkeypatch.setattr(bench_clock, 'sleep', sleeps.append, raising=False)
     monkeypatch.setattr(hg.energy, 'EnergyMeter', PowerMeter)
     monkeypatch.setattr(bench.ane_check, 'gpu_engine_class', engine_class)
-    cfg, given = hg.parse_args(helpers.flags(data_dir, bench_iters=2, bench_repeats=2, gradient_accumulation_steps=4,
+    cfg, given = hg.parse_args(helpers.flags(data_dir, bench_iters=2, bench_repeats=1, gradient_accumulation_steps=4,
                                              gpu_engine='both', cooldown=7), bench.BenchConfig)
     rows = bench.bench(cfg, given)
     assert built == list(bench.ARMS['both']) == list(rows)
@@ -102,7 +102,7 @@ def test_both_engines_arms_on_engines_of_known_speed(data_dir, capsys, monkeypat
                           "hetero-torch gives the ANE 2 of 4 microbatches")
     assert summary[4] == f"machine: {ane_check.machine_line(ane_check.machine())}"
     assert summary[5] == ("settings: a 1-layer 16-wide GPT-2, microbatches of 2 x 16 tokens, 4 a step, the GPU "
-                          "engines in float32; medians of 2 rounds of 2 steps, 7 s cooldowns")
+                          "engines in float32; rounds: 1 of 2 steps an arm (the median reported); cooldowns: 7 s")
     assert summary[7].split() == ['arm', 'tokens/s', 'x', 'gpu-mlx', 'J/token', 'energy', 'vs', 'gpu-mlx', 'ANE',
                                   'share']
     table = {line.split()[0]: line.split()[1:] for line in summary[8:13]}
@@ -214,3 +214,46 @@ def test_both_engines_for_real(data_dir, capsys, monkeypatch):
     assert 'autograd' in rows['gpu-torch']['engines'] and rows['hetero-mlx']['split'] == '1/2'
     out = capsys.readouterr().out
     assert out[out.index('\n\n') + 2:].startswith('headline, both engines against MLX alone, float32: ')
+
+
+# ---- the self-check's concurrency stage with MLX (export_ane.py --check --gpu_engine mlx)
+
+def test_the_concurrency_stage_times_the_gpu_engine_it_is_named(monkeypatch):
+    # the stage's GPU engine is the one its context names: autograd by default, MLX's with
+    # gpu_engine 'mlx' (export_ane.py passes --gpu_engine there); measured beside the worker
+    import types
+    got = []
+    monkeypatch.setattr(ane_check, 'overlap', lambda *a, **k: got.append(k['gpu_engine']) or {})
+    fake = types.ModuleType('mlx')
+    monkeypatch.setitem(sys.modules, 'mlx', fake)
+    monkeypatch.setitem(sys.modules, 'mlx.core', fake)
+    import tools
+    engine = types.SimpleNamespace(MLXEngine=MLXStandIn)
+    monkeypatch.setitem(sys.modules, 'tools.mlx_engine', engine)
+    monkeypatch.setattr(tools, 'mlx_engine', engine, raising=False)  # (where the real one was imported)
+    ctx = dict(cfg=dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100), gpu_batch=2, B=2, out='p')
+    ane_check.concurrency(ctx)
+    ane_check.concurrency(ctx | dict(gpu_engine='mlx'))
+    assert got == [hg.AutogradEngine, MLXStandIn]
+
+
+@pytest.mark.slow  # a worker process and seconds of each engine beside the other
+def test_overlap_times_the_gpu_engine_it_is_given():
+    # the engines alone and beside each other, off a Mac (the worker runs the eager derivation):
+    # the GPU engine given is the one timed, and its label is in the record
+    cfg = hg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
+    r = ane_check.overlap(cfg, 2, 2, hg.torch.device('cpu'), gpu_iters=2, ane_iters=1, gpu_engine=MLXStandIn)
+    assert r['gpu_label'] == 'MLX stand-in' and r['gpu_alone'] > 0 and r['gpu_beside'] > 0
+
+
+def test_the_self_check_without_mlx_says_how_to_install_it(monkeypatch, capsys, tmp_path):
+    # before any stage runs: one line, exit 2, no report written
+    import export_ane
+    monkeypatch.setitem(sys.modules, 'mlx', None)
+    monkeypatch.setitem(sys.modules, 'mlx.core', None)
+    report = tmp_path / 'check.json'
+    code = export_ane.main(['--n_layer', '1', '--n_head', '2', '--n_embd', '32', '--block_size', '32', '--check',
+                            '--gpu_engine', 'mlx', '--check_report', str(report), '--out', str(tmp_path / 'p')])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.startswith("error: --gpu_engine mlx needs MLX: pip install mlx") and err.count('\n') == 1
+    assert not report.exists() and 'stage' not in out
