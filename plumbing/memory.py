@@ -124,14 +124,36 @@ def preflight(cfg, run, sizes, log=print):
         if mem['gpu'] > 0.9 * gpu_have:
             raise UserError(f"the GPU engine would need ~{mem['gpu'] / 2**30:.1f} GiB on {run.device}, which has "
                                f"{gpu_have / 2**30:.1f}: lower --batch_size (the microbatch) or the model")
+    check(mem, have, log)
+    preflight.estimate = mem  # (what measured() sets beside the run's measurements)
+    return mem
+
+
+def check(mem, have, log=print, warn=True):
+    """Refuses an estimate past 90% of `have` bytes (naming the settings to lower); warns past 70%."""
     need = mem['total']
     if need > 0.9 * have:
         raise UserError(f"this run would need ~{need / 2**30:.1f} GiB of this machine's {have / 2**30:.1f} GiB "
                            f"(GPU engine {mem['gpu'] / 2**30:.1f}, ANE engine {mem['ane'] / 2**30:.1f}): lower "
                            "--batch_size (and --gradient_accumulation_steps up to keep the step), --ane_batch_size, "
                            "or the model (--n_layer, --n_embd, --block_size)")
-    if need > 0.7 * have:
+    if warn and need > 0.7 * have:
         log(f"warning: this run needs ~{need / 2**30:.1f} GiB of {have / 2**30:.1f} GiB: with other programs "
             "open it may swap; a smaller --batch_size or --ane_batch_size takes less")
-    preflight.estimate = mem  # (what measured() sets beside the run's measurements)
-    return mem
+
+
+def add_parts(parts, log=print):
+    """A GPU engine's own memory beyond what memory_estimate counts (bytes by part, named gpu_...,
+    in the host's memory), added to the run's estimate (the last preflight's) and checked as
+    preflight checks it. tools/mlx_engine.py's: MLX's cache and its copy of the weights. A part set
+    again replaces its value. Without a preflight before it (an engine built by hand): nothing."""
+    mem = getattr(preflight, 'estimate', None)
+    if mem is None:
+        return None
+    new = mem | parts
+    new['gpu'] = sum(v for k, v in new.items() if k.startswith('gpu_'))
+    new['total'] = mem['total'] + new['gpu'] - mem['gpu']
+    have = total_memory()
+    check(new, have, log, warn=mem['total'] <= 0.7 * have)  # one warning a run
+    preflight.estimate = new
+    return new
