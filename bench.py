@@ -207,6 +207,9 @@ def bench(cfg, given):
     if cfg.gpu_engine != 'torch':  # MLX missing: one line, before anything runs
         mlx = ane_check.gpu_engine_class('mlx')
     cfg, run = hg.setup(cfg, given)
+    if mlx and run.dtype not in (torch.float32, torch.bfloat16):  # (MLXEngine's own refusal)
+        raise hg.UserError(f"--gpu_engine {cfg.gpu_engine}: the MLX engine trains in float32 or "
+                           f"bfloat16, not {str(run.dtype).replace('torch.', '')}")
     classes = hg.Classes()
     if cfg.fast:
         try:

@@ -169,15 +169,25 @@ def test_cooldown_is_30_s_on_a_mac_and_none_elsewhere(monkeypatch):
 
 @pytest.mark.parametrize('engine', ['mlx', 'both'])
 def test_without_mlx_it_says_how_to_install_it_before_anything_runs(data_dir, capsys, monkeypatch, engine):
-    # MLX not installed (None in sys.modules: its import fails as a missing package's does)
-    monkeypatch.setitem(sys.modules, 'mlx', None)
-    monkeypatch.setitem(sys.modules, 'mlx.core', None)
+    # MLX not installed, as tools/mlx_engine.py finds it then: one line, exit 2, nothing run
+    from tools import mlx_engine
+    monkeypatch.setattr(mlx_engine, 'mx', None)
     with pytest.raises(SystemExit) as e:
         hg.main(helpers.flags(data_dir, gpu_engine=engine), job=bench.bench, cls=bench.BenchConfig)
     out, err = capsys.readouterr()
-    assert e.value.code == 2 and out == ''
-    assert err == ("error: --gpu_engine mlx needs MLX: pip install mlx (Apple Silicon, macOS 14+, Python 3.10+; "
-                   "elsewhere pip install 'mlx[cpu]')\n")
+    assert e.value.code == 2 and out == '' and err == f"error: {mlx_engine.INSTALL}\n"
+    assert 'pip install' in mlx_engine.INSTALL
+
+
+def test_the_mlx_arms_refuse_float16_before_any_arm_runs(data_dir, capsys):
+    # the MLX engine trains in float32 or bfloat16 (no loss scaling): said at once, not after
+    # PyTorch's arm (which takes fp16) has run
+    pytest.importorskip('mlx.core')
+    with pytest.raises(SystemExit) as e:
+        hg.main(helpers.flags(data_dir, gpu_engine='both', dtype='float16'), job=bench.bench, cls=bench.BenchConfig)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and 'building' not in out
+    assert err == "error: --gpu_engine both: the MLX engine trains in float32 or bfloat16, not float16\n"
 
 
 def test_a_gpu_engine_bench_does_not_know_is_one_line(data_dir, capsys):
@@ -224,11 +234,8 @@ def test_the_concurrency_stage_times_the_gpu_engine_it_is_named(monkeypatch):
     import types
     got = []
     monkeypatch.setattr(ane_check, 'overlap', lambda *a, **k: got.append(k['gpu_engine']) or {})
-    fake = types.ModuleType('mlx')
-    monkeypatch.setitem(sys.modules, 'mlx', fake)
-    monkeypatch.setitem(sys.modules, 'mlx.core', fake)
     import tools
-    engine = types.SimpleNamespace(MLXEngine=MLXStandIn)
+    engine = types.SimpleNamespace(MLXEngine=MLXStandIn, require_mlx=lambda: None)
     monkeypatch.setitem(sys.modules, 'tools.mlx_engine', engine)
     monkeypatch.setattr(tools, 'mlx_engine', engine, raising=False)  # (where the real one was imported)
     ctx = dict(cfg=dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100), gpu_batch=2, B=2, out='p')
@@ -249,11 +256,11 @@ def test_overlap_times_the_gpu_engine_it_is_given():
 def test_the_self_check_without_mlx_says_how_to_install_it(monkeypatch, capsys, tmp_path):
     # before any stage runs: one line, exit 2, no report written
     import export_ane
-    monkeypatch.setitem(sys.modules, 'mlx', None)
-    monkeypatch.setitem(sys.modules, 'mlx.core', None)
+    from tools import mlx_engine
+    monkeypatch.setattr(mlx_engine, 'mx', None)
     report = tmp_path / 'check.json'
     code = export_ane.main(['--n_layer', '1', '--n_head', '2', '--n_embd', '32', '--block_size', '32', '--check',
                             '--gpu_engine', 'mlx', '--check_report', str(report), '--out', str(tmp_path / 'p')])
     out, err = capsys.readouterr()
-    assert code == 2 and err.startswith("error: --gpu_engine mlx needs MLX: pip install mlx") and err.count('\n') == 1
+    assert code == 2 and err == f"error: {mlx_engine.INSTALL}\n"
     assert not report.exists() and 'stage' not in out

@@ -425,16 +425,12 @@ def gpu_engine_class(name):
     if name == 'torch':
         return hg.AutogradEngine
     if name != 'mlx':
-        raise hg.UserError(f"--gpu_engine {name!r}: unknown; use torch or mlx")
+        raise hg.UserError(f"--gpu_engine {name}: unknown; use torch or mlx")
     try:
-        import mlx.core  # noqa: F401 (the engine's own import, checked first for its message)
-    except ImportError:
-        raise hg.UserError("--gpu_engine mlx needs MLX: pip install mlx (Apple Silicon, macOS 14+, "
-                           "Python 3.10+; elsewhere pip install 'mlx[cpu]')") from None
-    try:
-        from tools import mlx_engine  # defines: MLXEngine
+        from tools import mlx_engine  # defines: require_mlx, MLXEngine
     except ImportError:
         raise hg.UserError("--gpu_engine mlx needs tools/mlx_engine.py, which is absent") from None
+    mlx_engine.require_mlx()
     return mlx_engine.MLXEngine
 
 
