@@ -43,7 +43,7 @@ from plumbing import worker  # defines: WorkerEngine, exit_text, share_cores, SW
 from tools import gradcheck  # defines: compare, failures, by_layer, TOLERANCE
 
 # (name, needs macOS, what it finds out)
-STAGES = (('environment', False, "macOS, chip, GPU cores, memory, power, versions, MPS, etc."),
+STAGES = (('environment', False, "macOS, chip, GPU cores, memory, power, versions, MPS, sudo"),
           ('probes', True, "tiny programs for what the design relies on"),
           ('programs', False, "the real programs: export, report, audit"),
           ('coreml', True, "compile, load, placement and time of each program on the ANE and on the CPU"),
