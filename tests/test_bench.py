@@ -170,7 +170,7 @@ def test_cooldown_is_30_s_on_a_mac_and_none_elsewhere(monkeypatch):
 @pytest.mark.parametrize('engine', ['mlx', 'both'])
 def test_without_mlx_it_says_how_to_install_it_before_anything_runs(data_dir, capsys, monkeypatch, engine):
     # MLX not installed, as tools/mlx_engine.py finds it then: one line, exit 2, nothing run
-    from tools import mlx_engine
+    mlx_engine = pytest.importorskip('tools.mlx_engine')
     monkeypatch.setattr(mlx_engine, 'mx', None)
     with pytest.raises(SystemExit) as e:
         hg.main(helpers.flags(data_dir, gpu_engine=engine), job=bench.bench, cls=bench.BenchConfig)
@@ -183,11 +183,24 @@ def test_the_mlx_arms_refuse_float16_before_any_arm_runs(data_dir, capsys):
     # the MLX engine trains in float32 or bfloat16 (no loss scaling): said at once, not after
     # PyTorch's arm (which takes fp16) has run
     pytest.importorskip('mlx.core')
+    pytest.importorskip('tools.mlx_engine')
     with pytest.raises(SystemExit) as e:
         hg.main(helpers.flags(data_dir, gpu_engine='both', dtype='float16'), job=bench.bench, cls=bench.BenchConfig)
     out, err = capsys.readouterr()
     assert e.value.code == 2 and 'building' not in out
     assert err == "error: --gpu_engine both: the MLX engine trains in float32 or bfloat16, not float16\n"
+
+
+def test_without_the_mlx_engine_file_it_says_so(data_dir, capsys, monkeypatch):
+    # a fork that deleted tools/mlx_engine.py (None in sys.modules: its import fails as a
+    # missing file's does)
+    import tools
+    monkeypatch.delattr(tools, 'mlx_engine', raising=False)
+    monkeypatch.setitem(sys.modules, 'tools.mlx_engine', None)
+    with pytest.raises(SystemExit) as e:
+        hg.main(helpers.flags(data_dir, gpu_engine='mlx'), job=bench.bench, cls=bench.BenchConfig)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: --gpu_engine mlx needs tools/mlx_engine.py, which is absent\n"
 
 
 def test_a_gpu_engine_bench_does_not_know_is_one_line(data_dir, capsys):
@@ -256,7 +269,7 @@ def test_overlap_times_the_gpu_engine_it_is_given():
 def test_the_self_check_without_mlx_says_how_to_install_it(monkeypatch, capsys, tmp_path):
     # before any stage runs: one line, exit 2, no report written
     import export_ane
-    from tools import mlx_engine
+    mlx_engine = pytest.importorskip('tools.mlx_engine')
     monkeypatch.setattr(mlx_engine, 'mx', None)
     report = tmp_path / 'check.json'
     code = export_ane.main(['--n_layer', '1', '--n_head', '2', '--n_embd', '32', '--block_size', '32', '--check',
