@@ -805,6 +805,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
             bg.join()
     finally:
         w.close()  # a call of the other engine under way fails, and its thread ends
+        gpu.close()  # (MLX's: its thread and cache)
     out = {k: float(np.median(v)) for k, v in res.items()}
     out |= {f'{k}_spread': float(np.std(v) / np.median(v)) for k, v in res.items() if k.endswith('alone')}
     out |= {f'exchange_{k}': float(np.median(v)) for k, v in exchanges.items() if k != 'warm-up'}
