@@ -4,11 +4,16 @@ same initial weights: the paper's table (tokens/s, x GPU-only, joules per token)
 nanoGPT's bench.py, it is the training loop's meat without the rest.
 
     python bench.py [any hetero_gpt.py flag] [--bench_iters 10] [--bench_repeats 3] [--fast]
+    python bench.py --gpu_engine both    # a Mac: PyTorch MPS and MLX, alone and beside the ANE
 
 --fast runs the classes of tools/fast_standin.py (the off-Mac speed) in place of the reference's.
+--gpu_engine mlx runs the GPU engine in MLX (tools/mlx_engine.py), a Mac's fastest GPU-only
+trainer: hetero with MLX against MLX alone is then the headline. both adds PyTorch's arms, and
+the paper's ratio (hetero against PyTorch's GPU engine alone).
 """
 import dataclasses
 import gc
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -17,6 +22,19 @@ import torch
 
 import hetero_gpt as hg  # defines: Config, Classes, setup, load_data, build_run, step_batches, main
 from plumbing import progress  # defines: Ticker, clock (each mode's time while it runs)
+from tools import ane_check  # defines: gpu_engine_class, machine, machine_line
+
+# The arms each --gpu_engine runs, in turn: a mode, and its GPU engine where MLX is in play
+ARMS = {'torch': ('gpu', 'ane', 'hetero'),
+        'mlx': ('gpu-mlx', 'ane', 'hetero-mlx'),
+        'both': ('gpu-torch', 'gpu-mlx', 'ane', 'hetero-mlx', 'hetero-torch')}
+# An M4's GPU throttles after ~8 s of load; llm.mojo idles 30 s between arms
+MAC_COOLDOWN_S = 30.0  # (docs/coreml_and_ane.md section 6)
+# The ratios printed, the headline first: (arm, against, what it says), where both arms ran
+RATIOS = (('hetero-mlx', 'gpu-mlx', "headline, both engines against MLX alone"),
+          ('gpu-mlx', 'gpu-torch', "MLX against PyTorch, each alone"),
+          ('hetero-torch', 'gpu-torch', "the paper's ratio (1.419x on an M4 Pro)"),
+          ('hetero', 'gpu', "the paper's ratio (1.419x on an M4 Pro)"))
 
 
 @dataclass
@@ -26,6 +44,11 @@ class BenchConfig(hg.Config):
     fast: bool = hg.setting(False, "run tools/fast_standin.py's model and stand-in")
     fused_kernels: bool = hg.setting(False, "with --fast: the stand-in's pieces as fused kernels")
     plot: str = hg.setting('', "also draw the table as bars in this PNG file (needs matplotlib)")
+    gpu_engine: str = hg.setting('torch', "torch (PyTorch's autograd), mlx (tools/mlx_engine.py) "
+                                          "or both: the GPU engine of the gpu and hetero arms")
+    cooldown: str = hg.setting('auto', "seconds idle before each arm after the first, so each "
+                                       "starts cool (auto: 30 on a Mac, whose GPU throttles; 0 "
+                                       "elsewhere)")
 
 
 def device_synchronize(device):
@@ -43,7 +66,7 @@ def bench_mode(cfg, run, data, init, tok_per_step, n_tok, ticker, classes):
     try:
         model.load_state_dict(init)
         threads = torch.get_num_threads()  # hetero with a CPU engine leaves a core free
-        rd = dict(tok_s=[], joules=[], engine_s={}, step_s=[])
+        rd = dict(tok_s=[], joules=[], engine_s={}, step_s=[], ane_share=[])
 
         def sync():  # every engine's work done, so that a round's time holds all of it
             for d in {device} | {e.device for e in engines.values()}:
@@ -66,15 +89,18 @@ def bench_mode(cfg, run, data, init, tok_per_step, n_tok, ticker, classes):
                 t = time.perf_counter()
                 out = train_step(10**6 + r * cfg.bench_iters + i)  # the same batches in every mode
                 rd['step_s'].append(time.perf_counter() - t)
+                rd['ane_share'].append(out.ane_share)
                 for n, res in out.shares.items():
                     rd['engine_s'].setdefault(n, []).append(res.seconds)
             sync()
             dt, j = time.perf_counter() - t0, meter.joules()
             rd['tok_s'].append(tok_per_step * cfg.bench_iters / dt)
             rd['joules'].append(None if j is None else j - j0)
+        # the ANE's share that most timed steps took (a probe step takes another)
+        split = f"{statistics.mode(rd['ane_share'])}/{step.split.microbatches}"
         return dict(tok_s=statistics.median(rd['tok_s']), rounds=[round(x) for x in rd['tok_s']],
                     j_tok=None if None in rd['joules'] else sum(rd['joules']) / n_tok,
-                    split=f"{out.ane_share}/{step.split.microbatches}" if mode == 'hetero' else '-',
+                    split=split if mode == 'hetero' else '-',
                     engines=' + '.join(e.label for e in engines.values()), meter=meter.name,
                     # where a step's time goes: each engine's share (in parallel), the whole step
                     ms_step=1000 * statistics.median(rd['step_s']),
@@ -90,25 +116,119 @@ def bench_mode(cfg, run, data, init, tok_per_step, n_tok, ticker, classes):
             torch.mps.empty_cache()
 
 
-def compare(rows):
-    """The paper's ratios: each mode's (tokens/s over GPU-only's, energy per token against
-    GPU-only's in percent, None without a meter), and hetero's tokens/s over the sum of the
-    two engines' alone (1.0: the engines overlap perfectly)."""
-    g = rows['gpu']
-    against_gpu = {mode: (r['tok_s'] / g['tok_s'],
-                          100 * (r['j_tok'] / g['j_tok'] - 1) if r['j_tok'] is not None and g['j_tok'] else None)
-                   for mode, r in rows.items()}
-    return against_gpu, rows['hetero']['tok_s'] / (g['tok_s'] + rows['ane']['tok_s'])
+def ratio(rows, arm, base):
+    """arm against base: (its tokens/s over base's, its energy per token against base's in
+    percent, None without a meter)."""
+    a, b = rows[arm], rows[base]
+    dj = 100 * (a['j_tok'] / b['j_tok'] - 1) if a['j_tok'] is not None and b['j_tok'] else None
+    return a['tok_s'] / b['tok_s'], dj
+
+
+def compare(rows, gpu='gpu', hetero='hetero'):
+    """The paper's ratios: each arm against the GPU-only arm `gpu` (ratio), and hetero's tokens/s
+    over the sum of the two engines' alone (1.0: the engines overlap perfectly)."""
+    against_gpu = {arm: ratio(rows, arm, gpu) for arm in rows}
+    return against_gpu, rows[hetero]['tok_s'] / (rows[gpu]['tok_s'] + rows['ane']['tok_s'])
+
+
+def cooldown_seconds(value):
+    """--cooldown in seconds: auto is MAC_COOLDOWN_S on a Mac, 0 elsewhere."""
+    if value == 'auto':
+        return MAC_COOLDOWN_S if hg.ON_MAC else 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds < math.inf:
+        raise hg.UserError(f"--cooldown {value}: use auto or a number of seconds >= 0")
+    return seconds
+
+
+def headline(rows, dtype):
+    """A line per ratio of RATIOS whose two arms ran, the headline first: tokens/s and J/token."""
+    lines = []
+    for arm, base, what in RATIOS:
+        if arm in rows and base in rows:
+            x, dj = ratio(rows, arm, base)
+            a, b = rows[arm], rows[base]
+            joules = 'J/token n/a'
+            if dj is not None:
+                joules = f"J/token {a['j_tok']:.4g} against {b['j_tok']:.4g} ({dj:+.1f}%)"
+            lines.append(f"{what}, {dtype}: {arm} / {base} = {x:.3f}x tokens/s "
+                         f"({a['tok_s']:,.0f} against {b['tok_s']:,.0f}), {joules}")
+    return lines
+
+
+def split_line(rows, auto):
+    """What each hetero arm gave the ANE. Under auto, none means that the GPU alone made the
+    faster step on this machine (ProbingSplit)."""
+    said = []
+    for arm in (a for a in rows if a.startswith('hetero')):
+        k, n = rows[arm]['split'].split('/')
+        said.append(f"{arm} gives the ANE {k} of {n} microbatches")
+        if auto and k == '0':
+            said[-1] += " (here the GPU alone makes the faster step: a result, not a fault)"
+    return f"split ({'auto' if auto else '--ane_fraction'}): " + '; '.join(said)
+
+
+def baseline(rows):
+    """The GPU-only arm that the table and the chart measure against: MLX alone where it ran."""
+    return 'gpu-mlx' if 'gpu-mlx' in rows else 'gpu'
+
+
+def against(rows):
+    """{arm: ratio(rows, arm, baseline)}."""
+    return {arm: ratio(rows, arm, baseline(rows)) for arm in rows}
+
+
+def overlaps(rows):
+    """A line per hetero arm: its tokens/s over its GPU engine's alone plus the ANE's alone."""
+    lines = []
+    for arm in (a for a in rows if a.startswith('hetero')):
+        gpu = arm.replace('hetero', 'gpu')
+        lines.append(f"{arm} / ({gpu} + ane alone) = {compare(rows, gpu, arm)[1]:.3f}")
+    return lines
+
+
+def table(rows):
+    """Every arm against the GPU-only baseline (MLX alone where it ran), then each hetero arm's
+    overlap of its two engines."""
+    base = baseline(rows)
+    name = 'GPU-only' if base == 'gpu' else base
+    w = max(8, *map(len, rows))
+    lines = [f"{'arm':{w}} {'tokens/s':>10} {'x ' + name:>10} {'J/token':>10} "
+             f"{'energy vs ' + name:>18}  ANE share"]
+    for arm, r in rows.items():
+        x, dj = against(rows)[arm]
+        jt = f"{r['j_tok']:.4g}" if r['j_tok'] is not None else 'n/a'
+        dj = f"{dj:+.1f}%" if dj is not None else 'n/a'
+        lines.append(f"{arm:{w}} {r['tok_s']:10.0f} {x:10.3f} {jt:>10} {dj:>18}  {r['split']}")
+    for line in overlaps(rows):
+        lines.append(line + " (the share of the two engines' summed speeds that hetero "
+                     "reaches, 1.0 a perfect overlap)")
+    if rows[base]['j_tok'] is None:
+        lines.append("J/token n/a: no energy meter here (on a Mac, powermetrics needs `sudo -v`)")
+    return lines
 
 
 def bench(cfg, given):
-    """Each mode in turn (gpu, ane, hetero) is built, warmed up, timed for bench_repeats rounds
-    (its median round reported) and freed before the next: on a Mac the three at once would
-    not fit the 16-24 GB that the GPU and the ANE share with the host."""
+    """Each arm in turn (ARMS[--gpu_engine]: gpu, ane, hetero by default) is built, warmed up,
+    timed for bench_repeats rounds (its median round reported) and freed before the next, after
+    a cooldown: on a Mac they would not fit at once in the 16-24 GB that the GPU and the ANE
+    share with the host, and its GPU throttles under load."""
     if min(cfg.bench_iters, cfg.bench_repeats) < 1:
         raise hg.UserError("--bench_iters and --bench_repeats must be at least 1")
     chart = chart_maker(cfg.plot)  # --plot's needs, found before any benchmark
+    if cfg.gpu_engine not in ARMS:
+        raise hg.UserError(f"--gpu_engine {cfg.gpu_engine}: use torch, mlx or both")
+    cooldown = cooldown_seconds(cfg.cooldown)
+    mlx = None
+    if cfg.gpu_engine != 'torch':  # MLX missing: one line, before anything runs
+        mlx = ane_check.gpu_engine_class('mlx')
     cfg, run = hg.setup(cfg, given)
+    if mlx and run.dtype not in (torch.float32, torch.bfloat16):  # (MLXEngine's own refusal)
+        raise hg.UserError(f"--gpu_engine {cfg.gpu_engine}: the MLX engine trains in float32 or "
+                           f"bfloat16, not {str(run.dtype).replace('torch.', '')}")
     classes = hg.Classes()
     if cfg.fast:
         try:
@@ -122,31 +242,43 @@ def bench(cfg, given):
     tok_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     n_tok = tok_per_step * cfg.bench_iters * cfg.bench_repeats
     rows = {}
-    for mode in ('gpu', 'ane', 'hetero'):
-        print(f"{mode}: building, warming up (5 steps and 3 s), then {cfg.bench_repeats} rounds of "
+    for arm in ARMS[cfg.gpu_engine]:
+        mode, _, engine = arm.partition('-')
+        if rows and cooldown:
+            print(f"cooling down for {cooldown:g} s (--cooldown), so {arm} starts cool", flush=True)
+            time.sleep(cooldown)
+        print(f"{arm}: building, warming up (5 steps and 3 s), then {cfg.bench_repeats} rounds of "
               f"{cfg.bench_iters} steps", flush=True)
-        ticker = progress.Ticker(f"  {mode}: building").__enter__()
+        ticker = progress.Ticker(f"  {arm}: building").__enter__()
         try:
-            rows[mode] = bench_mode(cfg, dataclasses.replace(run, mode=mode), data, init, tok_per_step, n_tok, ticker, classes)
+            arm_classes = classes
+            if engine == 'mlx':
+                arm_classes = dataclasses.replace(classes, gpu_engine=mlx)
+            arm_run = dataclasses.replace(run, mode=mode)
+            rows[arm] = bench_mode(cfg, arm_run, data, init, tok_per_step, n_tok, ticker,
+                                   arm_classes)
         finally:
             ticker.__exit__()
-        r = rows[mode]
-        print(f"  {mode}: {r['tok_s']:,.0f} tokens/s (rounds: {', '.join(f'{x:,}' for x in r['rounds'])}), "
-              f"{r['ms_step']:.4g} ms a step ({', '.join(f'{n} {v:.4g} ms' for n, v in r['ms_engines'].items())} "
-              f"in parallel), split {r['split']}, {r['engines']}", flush=True)
-    g, (against_gpu, overlap) = rows['gpu'], compare(rows)
-    print(f"\n{'mode':8} {'tokens/s':>10} {'x GPU-only':>10} {'J/token':>10} {'energy vs GPU':>14}  ANE share")
-    for mode, r in rows.items():
-        x, dj = against_gpu[mode]
-        jt = f"{r['j_tok']:.4g}" if r['j_tok'] is not None else 'n/a'
-        dj = f"{dj:+.1f}%" if dj is not None else 'n/a'
-        print(f"{mode:8} {r['tok_s']:10.0f} {x:10.3f} {jt:>10} {dj:>14}  {r['split']}")
-    print(f"hetero / (gpu + ane alone) = {overlap:.3f} (the share of the two engines' summed "
-          f"speeds that hetero reaches, 1.0 a perfect overlap; medians of {cfg.bench_repeats} rounds of "
-          f"{cfg.bench_iters} steps per mode)" + ('' if g['j_tok'] else "; J/token n/a: no energy meter here "
-                                                  "(on a Mac, powermetrics needs `sudo -v` first)"))
+        r = rows[arm]
+        rounds = ', '.join(f'{x:,}' for x in r['rounds'])
+        parts = ', '.join(f'{n} {v:.4g} ms' for n, v in r['ms_engines'].items())
+        print(f"  {arm}: {r['tok_s']:,.0f} tokens/s (rounds: {rounds}), {r['ms_step']:.4g} ms a "
+              f"step ({parts} in parallel), split {r['split']}, {r['engines']}", flush=True)
+    dtype = str(run.dtype).replace('torch.', '')
+    print()
+    for line in headline(rows, dtype):
+        print(line)
+    print(split_line(rows, run.ane_fraction is None))
+    print(f"machine: {ane_check.machine_line(ane_check.machine())}")
+    print(f"settings: a {cfg.n_layer}-layer {cfg.n_embd}-wide GPT-2, microbatches of "
+          f"{cfg.batch_size} x {cfg.block_size} tokens, {cfg.gradient_accumulation_steps} a step, "
+          f"the GPU engines in {dtype}; rounds: {cfg.bench_repeats} of {cfg.bench_iters} steps "
+          f"an arm (the median reported); cooldowns: {cooldown:g} s\n")
+    for line in table(rows):
+        print(line)
     if chart:
-        print(f"chart: {chart(rows, against_gpu, overlap, cfg.plot)}")
+        title = '; '.join(overlaps(rows))
+        print(f"chart: {chart(rows, against(rows), baseline(rows), title, cfg.plot)}")
     return rows
 
 

@@ -82,6 +82,8 @@ def main(argv=None):
     p.add_argument('--check_report', default=os.path.join('out', 'ane_check.json'),
                    help="with --check: the report (and its .md summary)")
     p.add_argument('--stage_timeout', type=float, default=3600.0, help="with --check: seconds a stage may take")
+    p.add_argument('--gpu_engine', default='torch', help="with --check: the GPU engine the concurrency stage "
+                   "times beside the ANE: torch (PyTorch's autograd) or mlx (tools/mlx_engine.py)")
     p.add_argument('--stages', default='', help="with --check: only these stages, comma-separated (default: all); "
                    "merged into an earlier report of the same model")
     a = p.parse_args(argv)
@@ -103,7 +105,7 @@ def main(argv=None):
                                          "the GPU's microbatch in calls of that many sequences")
             tokens = tcfg.max_iters * tcfg.batch_size * tcfg.gradient_accumulation_steps * T
             return ane_check.main(cfg, B, T, out, tcfg.batch_size, a.check_report, a.stage_timeout, a.stages,
-                                  run_tokens=tokens)
+                                  run_tokens=tokens, gpu_engine=a.gpu_engine)
         t0 = time.perf_counter()
         reports = export_programs(cfg, B, T, out, a.whole_step)
         print(f"saved {out} ({cfg}, {B}x{T} tokens a call) in {time.perf_counter() - t0:.1f} s")

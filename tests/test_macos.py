@@ -283,11 +283,14 @@ def res_of(doc):
 def test_bench(shakespeare, tmp_path):
     cwd = cwd_with_data(shakespeare, tmp_path)
     r = mac([os.path.join(ROOT, 'bench.py'), *TRAIN, '--bench_iters', '1', '--bench_repeats', '1',
-             '--ane_fraction', '0.5'], cwd, sudo=1)
+             '--ane_fraction', '0.5', '--cooldown', '0.5'], cwd, sudo=1)
     assert r.returncode == 0, r.stderr[-3000:]
     table = r.stdout[r.stdout.index('x GPU-only'):].splitlines()[1:4]
     assert [line.split()[0] for line in table] == ['gpu', 'ane', 'hetero']
     assert all(line.split()[3] != 'n/a' for line in table)  # joules per token: powermetrics
+    # the machine it ran on, as macOS's tools say; the cooldowns before the second and third arms
+    assert re.search(r'^machine: Apple M4 Pro, 20 GPU cores, [\d.]+ GiB, macOS 15.5, AC Power; Python ', r.stdout, re.M)
+    assert r.stdout.count('cooling down for 0.5 s (--cooldown)') == 2
 
 
 @pytest.mark.parametrize('version,layout', [('12.5', 'E-Cluster Power: 750 mW'),
@@ -361,6 +364,12 @@ from tools import ane_check
 loads = len(open('coreml.log').readlines())
 say('energy stage', ane_check.energy({}))  # (an empty ctx: it must decide before it reads one)
 say('energy stage loads', len(open('coreml.log').readlines()) - loads)
+
+# the machine, as bench.py records it; on a Mac of 10 GPU cores running on its battery
+say('machine', ane_check.machine())
+os.environ['MACOS_DOUBLE_GPU_CORES'], os.environ['MACOS_DOUBLE_POWER'] = '10', 'battery'
+say('machine on battery', ane_check.machine())
+del os.environ['MACOS_DOUBLE_GPU_CORES'], os.environ['MACOS_DOUBLE_POWER']
 
 # what --mode auto becomes on an Intel Mac and under Rosetta (the double's switches, read by
 # platform.mac_ver and its sysctl)
@@ -501,6 +510,18 @@ def test_the_energy_meter_against_powermetrics(parts):
     assert list(said['energy stage']) == ['skipped'] and said['energy stage loads'] == 0, said['energy stage']
     assert said['energy stage']['skipped'].startswith('powermetrics cannot run (sudo: a password is required); ')
     assert sudo_stdins(cwd) == ['devnull'] * 3
+
+
+def test_the_machine_as_bench_records_it(parts):
+    # macOS's own tools, as the double gives them: the chip (sysctl), its GPU cores (system_profiler
+    # -json), the memory (sysctl hw.memsize), the version (sw_vers) and the power source (pmset)
+    r, said, _ = parts
+    m, battery = said['machine'], said['machine on battery']
+    assert {k: m[k] for k in ('chip', 'gpu_cores', 'os', 'power')} == dict(
+        chip='Apple M4 Pro', gpu_cores=20, os='macOS 15.5', power='AC Power'), m
+    assert m['memory_gib'] == round(memory.total_memory() / 2**30, 1) and m['torch'] == torch.__version__
+    assert battery['gpu_cores'] == 10 and battery['power'] == 'Battery Power'
+    assert ane_check.machine_line(m).startswith('Apple M4 Pro, 20 GPU cores, ')
 
 
 def test_inputs_as_the_native_layer_takes_them(parts):

@@ -151,23 +151,28 @@ PAPER = dict(gpu=dict(tok_s=1000.0, j_tok=0.01), ane=dict(tok_s=600.0, j_tok=0.0
 
 def test_bench_bars_are_the_tables_numbers():
     import bench
-    against_gpu, overlap = bench.compare(PAPER)
-    bars = plot.bench_bars(PAPER, against_gpu)
+    bars = plot.bench_bars(PAPER, bench.against(PAPER), bench.baseline(PAPER))
     assert [b[:2] for b in bars['tokens/s']] == [('gpu', 1000.0), ('ane', 600.0),
                                                  ('hetero', 1419.0)]
     assert [b[:2] for b in bars['J/token']] == [('gpu', 0.01), ('ane', 0.004), ('hetero', 0.00691)]
     assert bars['tokens/s'][2][2] == "1,419\n1.419x GPU-only"
     assert bars['J/token'][2][2] == "0.00691\n-30.9% vs GPU-only"
     no_meter = {m: r | dict(j_tok=None) for m, r in PAPER.items()}
-    assert plot.bench_bars(no_meter, bench.compare(no_meter)[0])['J/token'] == []
+    assert plot.bench_bars(no_meter, bench.against(no_meter), 'gpu')['J/token'] == []
+    # with MLX: each arm against MLX alone, named so
+    mlx = dict(PAPER, **{'gpu-mlx': dict(tok_s=1892.0, j_tok=0.005)})
+    bars = plot.bench_bars(mlx, bench.against(mlx), bench.baseline(mlx))
+    assert bars['tokens/s'][2][2] == "1,419\n0.750x gpu-mlx"  # 1419 / 1892
+    assert bars['J/token'][2][2] == "0.00691\n+38.2% vs gpu-mlx"  # 6.91 / 5 - 1
 
 
 @needs_matplotlib
 def test_bench_chart_is_written(tmp_path):
     import bench
-    against_gpu, overlap = bench.compare(PAPER)
     path = str(tmp_path / 'bench.png')
-    assert plot.bench_chart(PAPER, against_gpu, overlap, path) == path
+    title = '; '.join(bench.overlaps(PAPER))
+    assert title == "hetero / (gpu + ane alone) = 0.887"  # 1419 / 1600
+    assert plot.bench_chart(PAPER, bench.against(PAPER), 'gpu', title, path) == path
     assert open(path, 'rb').read(8) == PNG
 
 

@@ -17,6 +17,7 @@ merges into the report of the same model: a stage it did not finish keeps its ea
 """
 import dataclasses
 import importlib
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -42,7 +43,7 @@ from plumbing import worker  # defines: WorkerEngine, exit_text, share_cores, SW
 from tools import gradcheck  # defines: compare, failures, by_layer, TOLERANCE
 
 # (name, needs macOS, what it finds out)
-STAGES = (('environment', False, "macOS, chip, memory, versions, MPS, powermetrics"),
+STAGES = (('environment', False, "macOS, chip, GPU cores, memory, power, versions, MPS, sudo"),
           ('probes', True, "tiny programs for what the design relies on"),
           ('programs', False, "the real programs: export, report, audit"),
           ('coreml', True, "compile, load, placement and time of each program on the ANE and on the CPU"),
@@ -377,6 +378,96 @@ def step_report(reports, cfg, B, T):
 
 
 
+# ---- the machine, as the environment stage and bench.py's rows record it
+
+
+def _output(*cmd):
+    """A command's output, or '' where it cannot run (not this OS, no such tool, too slow)."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                              timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ''
+
+
+def chip():
+    """'Apple M4 Pro' on a Mac (sysctl), else the CUDA GPU's or the CPU's name."""
+    if hg.ON_MAC:
+        return _output('sysctl', '-n', 'machdep.cpu.brand_string').strip() or None
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine() or None
+
+
+def gpu_cores():
+    """A Mac's GPU cores (system_profiler's sppci_cores); None elsewhere or if unreadable."""
+    if not hg.ON_MAC:
+        return None
+    try:
+        gpus = json.loads(_output('system_profiler', '-json', 'SPDisplaysDataType'))
+        return int(gpus['SPDisplaysDataType'][0]['sppci_cores'])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def power_source():
+    """'AC Power' or 'Battery Power' on a Mac, from pmset's "Now drawing from 'AC Power'"."""
+    if not hg.ON_MAC:
+        return None
+    first = (_output('pmset', '-g', 'batt').splitlines() or [''])[0]
+    parts = first.split("'")
+    return parts[1] if len(parts) >= 3 else None
+
+
+def gpu_engine_class(name):
+    """The GPU engine a --gpu_engine names: torch (autograd on MPS, CUDA or the CPU) or mlx
+    (tools/mlx_engine.py). Where MLX is not installed, a UserError that says how to install it."""
+    if name == 'torch':
+        return hg.AutogradEngine
+    if name != 'mlx':
+        raise hg.UserError(f"--gpu_engine {name}: unknown; use torch or mlx")
+    try:
+        from tools import mlx_engine  # defines: require_mlx, MLXEngine
+    except ImportError:
+        raise hg.UserError("--gpu_engine mlx needs tools/mlx_engine.py, which is absent") from None
+    mlx_engine.require_mlx()
+    return mlx_engine.MLXEngine
+
+
+def package_version(name):
+    """An installed package's version, without importing it; None where it is absent."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine():
+    """The machine and the versions, as plain values (None: unknown or absent)."""
+    here = f"macOS {platform.mac_ver()[0]}" if hg.ON_MAC else platform.platform()
+    gib = round(memory.total_memory() / 2**30, 1)
+    return dict(chip=chip(), gpu_cores=gpu_cores(), memory_gib=gib, os=here, power=power_source(),
+                python=platform.python_version(), torch=torch.__version__,
+                mlx=package_version('mlx'), coremltools=package_version('coremltools'),
+                mlx_enable_tf32=os.environ.get('MLX_ENABLE_TF32'))
+
+
+def machine_line(info):
+    """machine() in one line: 'Apple M4 Pro, 20 GPU cores, 48 GiB, macOS 15.5, AC Power;
+    Python 3.12.4, torch 2.13.0, mlx 0.32.4, coremltools 9.0'."""
+    here = [info['chip'] or 'unknown chip']
+    if info['gpu_cores']:
+        here.append(f"{info['gpu_cores']} GPU cores")
+    here += [f"{info['memory_gib']:g} GiB", info['os']]
+    if info['power']:
+        here.append(info['power'])
+    versions = [f"Python {info['python']}"]
+    versions += [f"{k} {info[k]}" for k in ('torch', 'mlx', 'coremltools') if info[k]]
+    if info['mlx'] and info['mlx_enable_tf32'] is not None:  # M5's fp32 matmuls: TF32 unless 0
+        versions.append(f"MLX_ENABLE_TF32={info['mlx_enable_tf32']}")
+    return ', '.join(here) + '; ' + ', '.join(versions)
+
+
 # ---- the stages: each a function of ctx (plain values) -> a dict of plain values
 
 
@@ -386,6 +477,7 @@ def environment(ctx):
     info = dict(os=platform.platform(), python=platform.python_version(), machine=platform.machine(),
                 cpus=os.cpu_count(), memory_gib=round(memory.total_memory() / 2**30, 1), torch=torch.__version__,
                 numpy=numpy.__version__, mps=torch.backends.mps.is_available(), cuda=torch.cuda.is_available())
+    info['mlx'] = package_version('mlx')
     try:
         info['coremltools'] = settings.import_coremltools().__version__
     except ImportError:
@@ -402,8 +494,7 @@ def environment(ctx):
         info['gpu_device_error'] = str(e)
     if hg.ON_MAC:
         info['macos'] = platform.mac_ver()[0]
-        info['chip'] = subprocess.run(['sysctl', '-n', 'machdep.cpu.brand_string'], capture_output=True,
-                                      text=True).stdout.strip()
+        info |= dict(chip=chip(), gpu_cores=gpu_cores(), power=power_source())
         try:
             settings.check_coreml()
             info['coreml_runtime'] = 'ok'
@@ -587,10 +678,12 @@ def judge_gradients(grads, ref):
 
 def concurrency(ctx, watts=False):
     """macOS: the GPU engine and the ANE worker (Core ML), each alone and beside the other. The
-    GPU engine's device is the trainer's default, resolve_device('auto'): MPS on a Mac."""
+    GPU engine's device is the trainer's default, resolve_device('auto'): MPS on a Mac; the
+    engine is ctx's gpu_engine (export_ane.py --gpu_engine): PyTorch's autograd or MLX."""
     device = settings.resolve_device('auto', flag=None)
+    engine = gpu_engine_class(ctx.get('gpu_engine', 'torch'))
     return overlap(hg.GPTConfig(**ctx['cfg']), ctx['gpu_batch'], ctx['B'], device, program_dir=ctx['out'],
-                   gpu_iters=10, ane_iters=3, watts=watts)
+                   gpu_iters=10, ane_iters=3, watts=watts, gpu_engine=engine)
 
 
 def energy(ctx):
@@ -642,18 +735,20 @@ def busy_until(timed, engine, batch, stop):
 
 
 def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, ane_iters=5,
-            watts=False, dtype=torch.float32, ane_dtype='float32', threads=None, ane_microbatch=None):
-    """The Mac's structure, timed: the GPU engine (autograd on `device`, gpu_batch sequences a
+            watts=False, dtype=torch.float32, ane_dtype='float32', threads=None,
+            ane_microbatch=None, gpu_engine=hg.AutogradEngine):
+    """The Mac's structure, timed: the GPU engine (gpu_engine on `device`, gpu_batch sequences a
     microbatch) in this process, the worker (Core ML on a Mac, on the programs in program_dir;
     else the eager derivation; ane_microbatch sequences a call, run ane_batch at a time) in its own; each alone, then each while the other computes, in one
     run. Medians in seconds: {gpu,ane}_{alone,beside}; exchange_{alone,beside}: this side's wall
     time per call minus the worker's own; with watts, each part's watts (powermetrics) alone;
-    memory: the peaks measured (memory.measured) beside the estimate."""
+    memory: the peaks measured (memory.measured) beside the estimate. gpu_engine: autograd, or
+    MLX (tools/mlx_engine.py)."""
     from plumbing.energy import PowermetricsMeter
     ane_microbatch = ane_microbatch or gpu_batch
     torch.manual_seed(0)
     model = hg.GPT(cfg).to(device)
-    gpu = hg.AutogradEngine(model, device, dtype)
+    gpu = gpu_engine(model, device, dtype)
     ane_cfg = hg.Config(**dataclasses.asdict(cfg), batch_size=ane_microbatch, ane_batch_size=ane_batch,
                         ane_programs=program_dir or '')
     # the worker: Core ML's programs on a Mac, else the eager derivation (settings.check's choice)
@@ -710,6 +805,7 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
             bg.join()
     finally:
         w.close()  # a call of the other engine under way fails, and its thread ends
+        gpu.close()  # (MLX's: its thread and cache)
     out = {k: float(np.median(v)) for k, v in res.items()}
     out |= {f'{k}_spread': float(np.std(v) / np.median(v)) for k, v in res.items() if k.endswith('alone')}
     out |= {f'exchange_{k}': float(np.median(v)) for k, v in exchanges.items() if k != 'warm-up'}
@@ -720,14 +816,17 @@ def overlap(cfg, gpu_batch, ane_batch, device, program_dir=None, gpu_iters=30, a
     return out | power | dict(gpu_label=gpu.label, ane_label=w.label, memory=mem)
 
 
-def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print, run_tokens=0):
+def main(cfg, B, T, out, gpu_batch, report, timeout, stages='', log=print, run_tokens=0, gpu_engine='torch'):
     """export_ane.py --check: every stage (or those named), then the report. Returns 0 if every
     stage that ran passed (a skipped one passes), 130 after Ctrl-C (the report holds the
-    stages that finished), else 1. run_tokens: the tokens of the run the trainer starts with these flags."""
+    stages that finished), else 1. run_tokens: the tokens of the run the trainer starts with these flags.
+    gpu_engine: the GPU engine the concurrency stage times beside the ANE, torch or mlx."""
     names = [n for n in stages.split(',') if n]
     if unknown := [n for n in names if n not in [s[0] for s in STAGES]]:
         raise hg.UserError(f"--stages {','.join(unknown)}: unknown; the stages are {', '.join(s[0] for s in STAGES)}")
-    ctx = dict(cfg=dataclasses.asdict(cfg), B=B, T=T, out=out, gpu_batch=gpu_batch, run_tokens=run_tokens)
+    gpu_engine_class(gpu_engine)  # MLX missing: one line now, not a failed stage later
+    ctx = dict(cfg=dataclasses.asdict(cfg), B=B, T=T, out=out, gpu_batch=gpu_batch, run_tokens=run_tokens,
+               gpu_engine=gpu_engine)
     log(f"the self-check: programs for {cfg.n_layer} layers x {cfg.n_embd} wide, {B}x{T} tokens an ANE call, "
         f"exported and compiled into {out} (the trainer's folder for this run); Ctrl-C stops it and keeps the report")
     with progress.stop_signals():  # SIGTERM and SIGHUP stop it as Ctrl-C does

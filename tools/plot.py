@@ -267,28 +267,31 @@ def main(argv=None):
 # -----------------------------------------------------------------------------
 # bench.py's table as a chart
 
-def bench_bars(rows, against_gpu):
-    """{panel: [(mode, value, its label)]}: bench.py's tokens/s (x GPU-only) and J/token (% vs
-    GPU-only) per mode; no J/token panel without a meter."""
-    speed = [(m, r['tok_s'], f"{r['tok_s']:,.0f}\n{against_gpu[m][0]:.3f}x GPU-only")
+def bench_bars(rows, against, base):
+    """{panel: [(arm, value, its label)]}: bench.py's tokens/s (x base) and J/token (% vs base)
+    per arm, against (bench.against) holding each arm's ratios to base; no J/token panel
+    without a meter."""
+    name = 'GPU-only' if base == 'gpu' else base
+    speed = [(m, r['tok_s'], f"{r['tok_s']:,.0f}\n{against[m][0]:.3f}x {name}")
              for m, r in rows.items()]
     energy = []
     for m, r in rows.items():
-        dj = against_gpu[m][1]  # None where GPU-only's J/token is none or 0
-        vs_gpu = '' if dj is None else f"\n{dj:+.1f}% vs GPU-only"
+        dj = against[m][1]  # None where the base's J/token is none or 0
+        vs_base = '' if dj is None else f"\n{dj:+.1f}% vs {name}"
         if r['j_tok'] is not None:
-            energy.append((m, r['j_tok'], f"{r['j_tok']:.3g}{vs_gpu}"))
+            energy.append((m, r['j_tok'], f"{r['j_tok']:.3g}{vs_base}"))
     return {'tokens/s': speed, 'J/token': energy}
 
 
-def bench_chart(rows, against_gpu, overlap, path):
-    """bench.py's table (rows, and bench.compare's ratios) as two bar panels in a PNG at path."""
+def bench_chart(rows, against, base, title, path):
+    """bench.py's table (rows, each arm's ratios to base) as two bar panels in a PNG at path,
+    under title (bench.py's overlap lines)."""
     plt = pyplot()
-    bars = bench_bars(rows, against_gpu)
+    bars = bench_bars(rows, against, base)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, (unit, bs) in zip(axes, bars.items()):
         ax.set_ylabel(unit)
-        ax.set_xlabel('mode')
+        ax.set_xlabel('arm')
         ax.grid(axis='y', alpha=0.3)
         if not bs:
             ax.text(0.5, 0.5, "no energy meter here: J/token n/a", ha='center', va='center',
@@ -302,8 +305,7 @@ def bench_chart(rows, against_gpu, overlap, path):
         ax.set_ylim(0, 1.3 * max(b[1] for b in bs))  # room for the labels
     axes[0].set_title('Tokens per second (higher is better)', fontsize=11)
     axes[1].set_title('Energy per token (lower is better)', fontsize=11)
-    fig.suptitle(f"hetero / (gpu + ane alone) = {overlap:.3f} (1.0: the engines overlap perfectly)",
-                 fontsize=11)
+    fig.suptitle(f"{title} (1.0: the engines overlap perfectly)", fontsize=11)
     fig.tight_layout()
     save(fig, path, plt)
     return path

@@ -9,7 +9,7 @@ since they inherit both).
   _macos_version runs `sw_vers -productVersion`) and sysctl on PATH.
 - Core ML's native runtime under coremltools: the module coremltools.libcoremlpython
   (libcoremlpython.py beside this file). coremltools' own Python runs above it unchanged.
-- powermetrics and sudo on PATH (bin/).
+- powermetrics and sudo on PATH (bin/); system_profiler's GPU and pmset's power source.
 - The machine's memory, as hw.memsize (bin/sysctl) and as os.sysconf's pages.
 - ctypes.macholib where this Python lacks it (MacholibFallback).
 - PyTorch's MPS backend, installed once torch is imported (torch_mps.py): the GPU engine on the CPU.
@@ -32,6 +32,8 @@ Switches, all environment variables:
   MACOS_DOUBLE_SUDO_RELAY  old: sudo 1.9.12's signal relay rule; new (default): 1.9.13's
   MACOS_DOUBLE_MEMORY    GiB of memory (default: this machine's), e.g. 16 for a 16 GB Mac
   MACOS_DOUBLE_WATTS     CPU,GPU,ANE milliwatts powermetrics reports (default 3000,9000,1500)
+  MACOS_DOUBLE_GPU_CORES the GPU cores system_profiler reports (default 20, an M4 Pro's)
+  MACOS_DOUBLE_POWER     ac (default) or battery: what pmset -g batt says it draws from
   MACOS_DOUBLE_LOG       a folder: the double notes compiles, loads and powermetrics there
   MACOS_DOUBLE_MPS       0: no MPS (torch.backends.mps.is_available() False, as on Linux)
   MACOS_DOUBLE_MPS_COPY  retain: non-blocking copies keep their source (the fixed Copy.mm)
