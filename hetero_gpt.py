@@ -39,7 +39,7 @@ import prepare_data  # defines: load (checked token arrays), DataError
 from plumbing import checkpoints  # defines: resume, save, diverged, closing_sample
 from plumbing import distributed  # defines: rank0_first, rank_share, sum_over_ranks,
 #   check_same_weights, from_rank0, leave, exit_naming_stopped
-from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics)
+from plumbing import energy  # defines: EnergyMeter (joules from NVML, RAPL or powermetrics), spent
 from plumbing import memory  # defines: preflight (refuses a run that will not fit)
 from plumbing import pretrained  # defines: load (OpenAI's GPT-2 in this layout)
 from plumbing import progress  # defines: logger, header, Metrics, Display, with_val, defer_ctrl_c,
@@ -1625,14 +1625,16 @@ class Progress:
     it: int = 0  # steps taken
     tokens: int = 0  # tokens trained on, every rank's
     elapsed: float = 0.0  # training seconds, evaluations not counted
+    joules: float = 0.0  # the energy meter's joules in those seconds
     best_val: float = math.inf  # the lowest validation loss
     since_best: int = 0  # evaluations since the best
     bad: int = 0  # steps in a row without a usable gradient
 
-    def stepped(self, result, tokens, seconds):
+    def stepped(self, result, tokens, seconds, joules):
         self.it += 1
         self.tokens += tokens
         self.elapsed += seconds
+        self.joules += joules
         self.bad = 0 if result.n else self.bad + 1  # n counts every rank's microbatches
 
     def evaluated(self, val):
@@ -1678,11 +1680,13 @@ def train(cfg, given=frozenset(), classes=Classes(), on_step=None):
             for group in optimizer.param_groups:
                 group['lr'] = lr
             t0 = time.perf_counter()
+            j0 = meter.joules()  # None without a meter
             microbatches = distributed.rank_share(step_batches(cfg, data['train'], prog.it))
             result = step(microbatches)  # both engines, the mean gradient into p.grad
             with progress.defer_ctrl_c():  # an update is made whole and counted, or not at all
                 step.update(result, cfg.grad_clip)  # one AdamW step
-                prog.stepped(result, tok_per_step, time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                prog.stepped(result, tok_per_step, seconds, energy.spent(meter, j0))
             if cfg.max_bad_steps and prog.bad >= cfg.max_bad_steps:  # diverged: no checkpoint
                 raise checkpoints.diverged(cfg, prog.it, prog.bad, result.loss, engines, ckpt_path)
             last = prog.it == cfg.max_iters

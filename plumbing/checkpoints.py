@@ -28,7 +28,8 @@ CKPT_KEYS = ('model', 'optimizer', 'model_args', 'iter_num', 'tokens', 'elapsed'
 
 
 # the loop's Progress, by the names a checkpoint keeps (nanoGPT's iter_num, best_val_loss)
-KEYS = dict(it='iter_num', tokens='tokens', elapsed='elapsed', best_val='best_val_loss', since_best='evals_since_best')
+KEYS = dict(it='iter_num', tokens='tokens', elapsed='elapsed', best_val='best_val_loss', since_best='evals_since_best',
+            joules='joules')
 
 
 def check_out_dir(cfg):

@@ -195,6 +195,11 @@ def read_samples(lines, parts, seen_power=lambda: None):
     return parts
 
 
+def spent(meter, start):
+    """The joules meter counted since its reading start (0.0 without a meter: start None)."""
+    return 0.0 if start is None else meter.joules() - start
+
+
 class EnergyMeter:
     """The sum of every meter that works here: powermetrics on macOS, NVML for each CUDA
     device in use, RAPL when any engine runs on the CPU."""

@@ -187,7 +187,7 @@ class Metrics:
         self.meter = meter
         path = os.path.join(cfg.out_dir, 'metrics.jsonl') if rank == 0 else os.devnull
         self.file = open(path, 'a')
-        self.last = prog.elapsed, prog.tokens, meter.joules()  # the last row's clock, tokens and joules
+        self.last = prog.elapsed, prog.tokens, prog.joules  # the last row's clock, tokens and joules
         self.tracker = Tracker(cfg) if rank == 0 and cfg.wandb_log else None
 
     def row(self, prog, lr, out):
@@ -203,9 +203,9 @@ class Metrics:
             own |= {f'{n}_tokens_per_s': rate, f'{n}_loss': loss}  # each engine's own mean loss: a check on the other
         if 'ane' in self.engines:
             own['loss_scale'] = self.engines['ane'].scaler.scale
-        if (j := self.meter.joules()) is not None:
-            own['joules_per_token'], joules = (j - joules) / (prog.tokens - tokens), j
-        self.last = prog.elapsed, prog.tokens, joules
+        if self.meter.joules() is not None:  # a meter ran: the steps' joules, as their seconds
+            own['joules_per_token'] = (prog.joules - joules) / (prog.tokens - tokens)
+        self.last = prog.elapsed, prog.tokens, prog.joules
         return row | (own if world()[1] == 1 else dict(ranks=gather(own)))
 
     def write(self, row):  # a row, if any, flushed: a resumed run reads it

@@ -253,7 +253,7 @@ def test_wandb_logs_from_rank_0_alone(monkeypatch, tmp_path):
     runs = fake_wandb(monkeypatch)
     cfg = hg.Config(out_dir=str(tmp_path), wandb_log=True)
     meter = types.SimpleNamespace(joules=lambda: None)
-    prog = types.SimpleNamespace(elapsed=0.0, tokens=0)
+    prog = hg.Progress()
     for rank in (1, 0):
         m = progress.Metrics(cfg, rank, {}, types.SimpleNamespace(device='cpu'), meter, prog)
         m.write(dict(step=1))

@@ -193,8 +193,10 @@ def test_corrupt_data_is_refused(data_dir, tmp_path, capsys):
 
 
 def test_joules_per_token_and_the_meter_closed(data_dir, tmp_path, monkeypatch):
-    # a meter that reads 0.5 J more at each reading: each logged row's J/token is that over
-    # the tokens since the row before (exact in binary), and the run closes the meter at its end
+    # a meter that reads 0.5 J more at each reading, and 1000 J more in each evaluation: a step
+    # spans one reading's 0.5 J (read at its start and its end), so each logged row's J/token is
+    # 2 steps x 0.5 J over their tokens (exact in binary); the evaluations' joules count nowhere,
+    # as their seconds don't; and the run closes the meter at its end
     made = []
 
     class Meter:
@@ -210,10 +212,16 @@ def test_joules_per_token_and_the_meter_closed(data_dir, tmp_path, monkeypatch):
 
         def close(self):
             self.closed = True
+    evaluate = hg.evaluate
+
+    def burning(*args):  # an evaluation that costs 1000 J
+        made[0].j += 1000.0
+        return evaluate(*args)
     monkeypatch.setattr(hg.energy, 'EnergyMeter', Meter)
-    _, rows = helpers.train(data_dir, tmp_path, max_iters=4, log_interval=2, eval_interval=100)
-    assert [r['joules_per_token'] for r in rows] == [0.5 / (2 * 2 * 2 * 16)] * 2
-    assert len(made) == 1 and made[0].closed
+    monkeypatch.setattr(hg, 'evaluate', burning)
+    _, rows = helpers.train(data_dir, tmp_path, max_iters=6, log_interval=2, eval_interval=2)
+    assert [r['joules_per_token'] for r in rows] == [2 * 0.5 / (2 * 2 * 2 * 16)] * 3
+    assert made[0].j > 3000 and len(made) == 1 and made[0].closed  # (the evaluations ran)
 
 
 # ---- the concurrent step, with engines the test controls
