@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny text data set and Tiny Shakespeare (offline), prepared once per test
 run; Core ML programs exported once per shape; Ctrl-C at a chosen step."""
 import importlib.util
+import platform
 import sys
 import urllib.error
 
@@ -12,11 +13,15 @@ import prepare_data
 
 def pytest_configure(config):
     """A test requirement that is missing fails the run at once, in one line (only hardware the
-    machine lacks, a CUDA GPU, is skipped)."""
-    missing = [m for m in ('coremltools', 'transformers') if importlib.util.find_spec(m) is None]  # (not imported)
+    machine lacks, a CUDA GPU, is skipped). tests/requirements.txt lists them."""
+    needed = ['coremltools', 'transformers', 'matplotlib', 'wandb']
+    if sys.platform == 'linux' or (sys.platform == 'darwin' and platform.machine() == 'arm64'):
+        needed.append('mlx')  # (MLX has no build for other machines)
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]  # (not imported)
     if missing:
-        pytest.exit(f"error: the tests need {' and '.join(missing)}: install what README's test command does, "
-                    "pip install -r requirements.txt pytest transformers", returncode=2)
+        pytest.exit(f"error: the tests need {', '.join(missing)}: install what README's test "
+                    "command does, pip install -r requirements.txt -r tests/requirements.txt",
+                    returncode=2)
 
 
 @pytest.fixture(autouse=True)
