@@ -158,7 +158,8 @@ class Display:
 # the row's values the bar shows: short names and numbers, so a 110-column terminal shows all
 SHOWN = dict(loss=('loss', lambda v: f'{v:.3f}'), val_loss=('val', lambda v: f'{v:.3f}'),
              tokens_per_s=('tok/s', lambda v: f'{v / 1000:.0f}k'),
-             ane_microbatches=('ane', str), joules_per_token=('mJ/tok', lambda v: f'{1000 * v:.2g}'))
+             ane_microbatches=('ane', str),
+             joules_per_token=('mJ/tok', lambda v: f'{1000 * v:.2g}'))
 
 
 def result_microbatches(result):

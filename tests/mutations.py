@@ -24,7 +24,9 @@ MUTATIONS = [
     ('O1batch', "every step trains on step 0's batch", 'hetero_gpt.py',
      'np.random.default_rng((cfg.seed, it)))', 'np.random.default_rng((cfg.seed, 0)))', [UPDATE]),
     ('OPTwd', "--weight_decay ignored (0.0)", 'hetero_gpt.py',
-     "{'params': decay, 'weight_decay': cfg.weight_decay}", "{'params': decay, 'weight_decay': 0.0}", [UPDATE]),
+     "{'params': decay, 'weight_decay': cfg.weight_decay}",
+     "{'params': decay, 'weight_decay': 0.0}",
+     [UPDATE]),
     ('OPTbeta2', "--beta2 ignored (0.999)", 'hetero_gpt.py',
      'betas=(cfg.beta1, cfg.beta2)', 'betas=(cfg.beta1, 0.999)', [UPDATE]),
     ('OPTclip', "--grad_clip ignored (no clipping)", 'hetero_gpt.py',
@@ -47,8 +49,8 @@ MUTATIONS = [
 
 def clean_copy():
     """A temporary folder holding this tree's tracked and untracked (not ignored) files."""
-    files = subprocess.run(['git', 'ls-files', '-z', '--cached', '--others', '--exclude-standard'], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split('\0')
+    files = subprocess.run(['git', 'ls-files', '-z', '--cached', '--others', '--exclude-standard'],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split('\0')
     dest = tempfile.mkdtemp(prefix='mutant-')
     for f in filter(None, files):
         if os.path.isfile(os.path.join(ROOT, f)):  # (a file deleted but not yet staged is skipped)
@@ -61,8 +63,8 @@ def pytest(where, tests):
     """(passed, seconds, the last line) of the default run's selection `tests` in the folder."""
     t0 = time.time()
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE='1')
-    p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider', *tests], cwd=where,
-                       env=env, capture_output=True, text=True)
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider', *tests]
+    p = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True)
     last = (p.stdout.strip().splitlines() or [''])[-1]
     return p.returncode == 0, time.time() - t0, last
 
@@ -79,7 +81,8 @@ def main(argv):
     try:
         for tests in selections:
             ok, secs, last = pytest(base, list(tests))
-            print(f"baseline {' '.join(tests) or '(the default run)'}: {'pass' if ok else 'FAIL'} ({secs:.0f} s) {last}")
+            name = ' '.join(tests) or '(the default run)'
+            print(f"baseline {name}: {'pass' if ok else 'FAIL'} ({secs:.0f} s) {last}", flush=True)
             if not ok:
                 return 2
     finally:
@@ -92,7 +95,8 @@ def main(argv):
             target = os.path.join(where, path)
             text = open(target).read()
             if text.count(old) != 1:
-                print(f"{name:9} {'NOT FOUND':9} {'':5}  {path}: the old text occurs {text.count(old)} times")
+                print(f"{name:9} {'NOT FOUND':9} {'':5}  {path}: the old text is there "
+                      f"{text.count(old)} times")
                 return 2
             with open(target, 'w') as f:
                 f.write(text.replace(old, new))
