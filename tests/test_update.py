@@ -98,8 +98,9 @@ def test_the_update_is_adamw_with_every_optimizer_flag(data_dir, tmp_path):
         cfg = resolved(data_dir, **flags)
         lr, low, warm = cfg.learning_rate, cfg.min_lr, cfg.warmup_iters
         lrs = [lr / 2, lr, (lr + low) / 2] if warm == 1 else [lr * (i + 1) / (warm + 1) for i in range(3)]
-        if name == 'defaults':
-            assert (cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.grad_clip, warm) == (0.1, 0.9, 0.95, 1.0, 20)
+        if name == 'defaults':  # (the rate, min_lr and warm-up: this machine's defaults, warm-up > 3)
+            adamw = ('weight_decay', 'beta1', 'beta2', 'grad_clip')
+            assert [getattr(cfg, f) for f in adamw] == [getattr(hg.Config(), f) for f in adamw] and warm > 3
         model, rows, seen = run(data_dir, tmp_path / name, **flags)
         assert [r['lr'] for r in rows] == pytest.approx(lrs, rel=1e-15)  # (fp64: a rounding or two)
         want, norms = plain_adamw(cfg, hg.load_data(cfg)['train'], seen['weights'][0], lrs)
@@ -111,7 +112,7 @@ def test_the_update_is_adamw_with_every_optimizer_flag(data_dir, tmp_path):
             # fp64 rounding: the gradients agree to ~1e-16 relative; Adam's m / (sqrt(v) + eps)
             # divides an element's rounding by at least eps, so the key biases, whose exact
             # gradient is 0 (rounding only), differ most: measured 4e-13 of lr. A flag ignored
-            # moves weights by 1e-4 of lr or more
+            # moves some weight by 2.7e-3 of lr or more (measured: the default weight decay)
             err = (got[k].detach() - w).abs().max().item()
             assert err <= 1e-10 * lr, (name, k, err / lr)
 
