@@ -104,8 +104,9 @@ class Display:
         self.tok_mb = cfg.batch_size * cfg.block_size
         self.t1 = None  # wall time at the end of the first step
         self.said = False
+        self.postfix = {}  # what the bar shows beside it, kept between logged rows
         disable = no_bar(cfg.quiet) or rank != 0
-        fmt = '{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]'
+        fmt = '{desc} |{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]'  # (no %: n/total says it)
         self.bar = tqdm(total=self.total, initial=prog.it, disable=disable, dynamic_ncols=True,
                         desc='train', bar_format=fmt)
         self.ticker = None
@@ -121,11 +122,11 @@ class Display:
         if self.t1 is None:
             self.t1 = now
         left = self.left(prog.it, now)
-        postfix = {SHOWN[k][0]: SHOWN[k][1](v) for k, v in row.items() if k in SHOWN}
+        self.postfix |= {SHOWN[k][0]: SHOWN[k][1](v) for k, v in row.items() if k in SHOWN}
+        self.postfix['norm'] = f'{result.grad_norm:.2g}'  # every step's, before clipping
         if left is not None:
-            postfix['eta'] = clock(left)
-        if postfix:
-            self.bar.set_postfix(postfix, refresh=False)
+            self.postfix['eta'] = clock(left)
+        self.bar.set_postfix(self.postfix, refresh=False)
         if row and self.bar.disable and self.rank == 0:
             print(log_line(row, self.total), flush=True)
         if left is not None and not self.said and self.log:
@@ -160,7 +161,8 @@ class Display:
 # the row's values the bar shows: short names and numbers, so a 110-column terminal shows all
 SHOWN = dict(loss=('loss', lambda v: f'{v:.3f}'), val_loss=('val', lambda v: f'{v:.3f}'),
              tokens_per_s=('tok/s', lambda v: f'{v / 1000:.0f}k'),
-             ane_microbatches=('ane', str), joules_per_token=('J/tok', lambda v: f'{v:.2g}'))
+             ane_microbatches=('ane', str),
+             joules_per_token=('mJ/tok', lambda v: f'{1000 * v:.2g}'))
 
 
 def result_microbatches(result):
@@ -308,6 +310,8 @@ def log_line(row, total):
         parts.append(f"loss {row['loss']:.4f}")
     if 'val_loss' in row:
         parts.append(f"val {row['val_loss']:.4f}")
+    if 'grad_norm' in row:
+        parts.append(f"norm {row['grad_norm']:.4f}")
     if 'tokens_per_s' in row:
         eng = ', '.join(f"{k[:-len('_tokens_per_s')]} {row[k]:,.0f}" for k in row
                         if k.endswith('_tokens_per_s') and k != 'tokens_per_s')

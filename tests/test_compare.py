@@ -105,9 +105,11 @@ def test_paired_ttest():
 
 # 2 microbatches of 4 sequences, 6 steps, validation at 3 and 6; the fp16 stand-in, half of
 # hetero's microbatches (fp32 would give GPU-only's perplexities to the bit here, as Adam's first
-# steps are nearly g / |g|: the statistics would see no spread); compare sets --eval_iters itself
+# steps are nearly g / |g|: the statistics would see no spread), and a rate of 1e-2, so that its
+# rounding moves each seed's losses apart by more than fp32's last bits (at 1e-3 both seeds'
+# hetero/GPU ratios were the same 2^-18); compare sets --eval_iters itself
 COMPARE = helpers.TINY | dict(batch_size=4, max_iters=6, eval_interval=3, ane_dtype='float16', ane_fraction=0.5,
-                              eval_iters=None)
+                              learning_rate=1e-2, eval_iters=None)
 
 
 def tiny(data_dir, out_dir, *extra):
@@ -156,11 +158,13 @@ def test_compare_end_to_end(comparison):
     # the tests on the paired ratios, by hand: d = ln(test / ref), se = sd(d) / sqrt(2), df 1
     d = np.log(ppl['hetero'] / ppl['gpu'])
     se = d.std(ddof=1) / math.sqrt(2)
+    assert se > 0, d  # the seeds' ratios differ (the fp16 stand-in): else the p-values divide by 0
     tost = saved['tost_hetero_vs_gpu']
     assert tost['p_lower'] == pytest.approx(1 - cauchy_cdf((d.mean() - math.log(0.99)) / se), rel=1e-6, abs=1e-12)
     assert tost['p_upper'] == pytest.approx(cauchy_cdf((d.mean() - math.log(1.01)) / se), rel=1e-6, abs=1e-12)
     assert tost['p'] == max(tost['p_lower'], tost['p_upper'])
     d = np.log(ppl['ane'] / ppl['gpu'])
+    assert d.std(ddof=1) > 0, d
     t = d.mean() / (d.std(ddof=1) / math.sqrt(2))
     assert saved['ttest_ane_vs_gpu']['p'] == pytest.approx(2 * cauchy_cdf(-abs(t)), rel=1e-6)
     assert 'paired TOST' in printed and 'paired t-test' in printed
@@ -196,7 +200,7 @@ def test_the_same_command_again_retrains_nothing(data_dir, comparison, capsys):
 
     # other settings in the same out_dir are refused, not mixed in
     with pytest.raises(SystemExit) as e:
-        compare.main(tiny(data_dir, out, '--learning_rate', '1e-2'))
+        compare.main(tiny(data_dir, out, '--learning_rate', '2e-2'))
     assert e.value.code == 2 and 'other settings' in capsys.readouterr().err
     # --drop_checkpoints on finished runs that are reused: they drop theirs too
     assert len(list(out.glob('*/ckpt.pt'))) == 6

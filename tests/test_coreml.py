@@ -61,6 +61,35 @@ def test_saved_programs_match_autograd(request, kind):
     assert not (bad := gradcheck.check(grads, model.grads, torch.float16)), bad
 
 
+def fp64_pieces(cfg, b, t):
+    """predict(piece, inputs) -> outputs in fp64: each piece's derivation (run_piece, what its
+    program records) on TorchOps, where the saved programs compute in fp16."""
+    ops = hg.TorchOps(torch.float64, torch.device('cpu'))
+
+    def predict(piece, inputs):
+        inp = {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in inputs.items()}
+        return {k: v.numpy() for k, v in hg.run_piece(ops, cfg, b, t, piece, inp).items()}
+    return predict
+
+
+def test_the_engines_own_work_gives_autograds_gradients_to_fp32_rounding():
+    # the Core ML engine's work around its programs (weights into its fp32 buffers, embeddings,
+    # the chain of calls, the gradients' scatter, join and unscaling, the mean over its calls)
+    # with the programs evaluated in fp64: 6 sequences as two calls of 3 against fp64 autograd.
+    # What is left is fp32's rounding (2^-24) of the buffers between the programs and of the
+    # outputs, a few roundings an element: measured 1.1e-7 of each tensor's largest element at
+    # worst, bound 1e-6. One gradient off by 0.1% (1e-3) fails it, as would the sum of the
+    # calls for their mean (2x)
+    model, idx, targets, ref_loss = reference(b=2 * B)
+    engine = hg.CoreMLEngine(CFG, B, T, fp64_pieces(CFG, B, T), scaler=hg.LossScaler(1024.0, 0))
+    engine.load_weights(dict(model.named_parameters()))
+    loss, grads = engine.loss_and_grads(idx, targets)
+    assert abs(loss.item() - ref_loss) <= 1e-6 * ref_loss
+    assert grads.keys() == model.grads.keys()
+    for k, g in model.grads.items():
+        assert (grads[k].double() - g).abs().max() <= 1e-6 * g.abs().max(), k
+
+
 def test_programs_are_ane_shaped(package):
     reports = package['reports']['pieces']
     for piece, r in reports.items():

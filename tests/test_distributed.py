@@ -1,6 +1,8 @@
 """Data parallel under torchrun, on this machine's CPU (gloo): two ranks against one process
 that ran the same microbatches, resume across numbers of ranks, the mean over the ranks'
-usable microbatches, ranks whose weights part, and a rank that dies or hangs."""
+usable microbatches, ranks whose weights part (stopped by the loop's check), each rank's share
+of a step's batches, and a rank that dies or hangs."""
+import datetime
 import json
 import os
 import shutil
@@ -125,7 +127,8 @@ def test_init_from_under_ranks_gives_every_rank_the_pretrained_weights(data_dir,
     assert rows['one'] == pytest.approx(rows['two'], rel=1e-5), rows  # (fp32 sums in another order: 1e-7)
 
 
-# ---- the mean over the ranks, with engines the test controls (2 processes, gloo)
+# ---- two ranks on gloo, spawned once: the mean over them (engines the test controls), and the
+# trainer's loop, whose same-weights check stops ranks that part
 
 def value_grads(model):  # a microbatch's gradient is the value in its tokens; inf marks an overflow
     return lambda idx: {k: torch.full_like(p, float(idx[0, 0])) for k, p in model.named_parameters()}
@@ -140,8 +143,8 @@ class Step(hg.HeteroStep):
         pass
 
 
-def cross_rank_worker(rank, init):
-    dist.init_process_group('gloo', init_method=init, rank=rank, world_size=2)
+def cross_rank_checks(rank, data_dir, out_dir):
+    """The mean over the ranks' usable microbatches, and ranks whose weights part named by the check."""
     model, ref = tiny_model(), tiny_model()
     # (ane values, gpu values) per rank; the ANE takes the first half of each rank's share
     for case, expect in (([(float('inf'),) * 2 + (3, 4), (5, 6, 7, 8)], [3, 4, 5, 6, 7, 8]),
@@ -169,11 +172,75 @@ def cross_rank_worker(rank, init):
             next(model.parameters()).add_(1e-3)
     with pytest.raises(RuntimeError, match=r'weights of ranks \[1\] differ'):
         distributed.check_same_weights(model, 2)
+
+
+def parting_run(rank, data_dir, out_dir):
+    """train() on this rank of 2, GPU mode, an evaluation at step 2: after the first update,
+    rank 1 moves one weight element by 0.1 (5 times the weights' spread at init; the check's
+    checksum, ~1e3 here, is compared to 1e-6 relative). Saves the microbatches its step got."""
+    seen = []
+
+    class Parting(hg.HeteroStep):
+        def __call__(self, microbatches):
+            seen.append([(x.clone(), y.clone()) for x, y in microbatches])
+            return super().__call__(microbatches)
+
+        def update(self, result, grad_clip=0.0):
+            out = super().update(result, grad_clip)
+            if rank == 1 and len(seen) == 1:
+                with torch.no_grad():
+                    next(iter(self.params.values())).view(-1)[0] += 0.1
+            return out
+    run = os.path.join(out_dir, 'run')
+    cfg, given = hg.parse_args(flags(data_dir, run, '--mode', 'gpu', '--max_iters', '4', '--eval_interval', '2'))
+    with pytest.raises(RuntimeError, match=r"at step 2 the weights of ranks \[1\] differ from rank 0's"):
+        hg.train(cfg, given, hg.Classes(step=Parting))
+    torch.save(seen, os.path.join(out_dir, f'seen{rank}.pt'))
+
+
+def rank_worker(rank, init, data_dir, out_dir):
+    """Rank `rank` of 2 on gloo: each part in turn; a file marks each part done on this rank.
+    A part that fails ends the process, and mp.spawn the other rank."""
+    dist.init_process_group('gloo', init_method=init, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=HANG))
+    torch.set_num_threads(1)
+    for part in (cross_rank_checks, parting_run):
+        part(rank, data_dir, out_dir)
+        open(os.path.join(out_dir, f'{part.__name__}{rank}.done'), 'w').close()
     dist.destroy_process_group()
 
 
-def test_mean_is_over_the_microbatches_used_on_every_rank(tmp_path):
-    mp.spawn(cross_rank_worker, args=(f'file://{tmp_path}/init',), nprocs=2)
+@pytest.fixture(scope='module')
+def gloo_ranks(data_dir, tmp_path_factory):
+    """Two ranks spawned once (a start-up of seconds) for the two tests below: (folder, error)."""
+    out = tmp_path_factory.mktemp('ranks')
+    try:
+        mp.spawn(rank_worker, args=(f'file://{out}/init', data_dir, str(out)), nprocs=2)
+    except Exception as e:  # (each test then says whether its part finished)
+        return out, str(e)
+    return out, None
+
+
+def test_mean_is_over_the_microbatches_used_on_every_rank(gloo_ranks):
+    out, error = gloo_ranks
+    assert all((out / f'cross_rank_checks{r}.done').exists() for r in range(2)), error
+
+
+def test_the_loop_stops_ranks_whose_weights_part_and_each_draws_its_share(gloo_ranks, data_dir):
+    # the loop's own check, at its evaluation of step 2, names rank 1 on both ranks; and the two
+    # ranks' microbatches of steps 1 and 2 are, in rank order, the step's batches of one process
+    out, error = gloo_ranks
+    assert all((out / f'parting_run{r}.done').exists() for r in range(2)), error
+    seen = [torch.load(out / f'seen{r}.pt') for r in range(2)]
+    assert [len(s) for s in seen] == [2, 2]
+    cfg, given = hg.parse_args(flags(data_dir, None))
+    cfg = hg.setup(cfg, given, log=lambda s: None)[0]
+    data = hg.load_data(cfg)['train']
+    for it in range(2):
+        whole = hg.step_batches(cfg, data, it)
+        assert len(whole) == 4 and len(seen[0][it]) == len(seen[1][it]) == 2
+        for (x, y), (a, b) in zip(whole, seen[0][it] + seen[1][it]):
+            assert torch.equal(x, a) and torch.equal(y, b), it
 
 
 # ---- faults

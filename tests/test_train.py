@@ -312,8 +312,11 @@ def test_a_hetero_step_times_itself_for_the_split(monkeypatch):
         calls = eng['ane'].calls
         out = step.update(step(microbatches(4)))
         assert out.ane_share == (0 if s == 10 else eng['ane'].calls - calls) and out.n == 4
-    assert eng['ane'].calls == calls and set(step.split.step_sec) == {'alone', 'both'}
-    assert all(v > 0 for v in step.split.step_sec.values())
+    assert eng['ane'].calls == calls
+    # a step's seconds a microbatch, its slower share's over 4, halved toward each new one: both
+    # engines at step 1 (2 each: 0.04 / 4), then 8 steps of 1 on the ANE (3 * 0.01 / 4 = 0.0075);
+    # the GPU alone at step 10 (0.04 / 4). (fp64 sums of the clock's hundredths: 1e-12 relative)
+    assert step.split.step_sec == pytest.approx({'both': 0.0075 + 0.0025 / 2 ** 8, 'alone': 0.01}, rel=1e-12)
 
 
 def test_the_mean_is_exact_in_fp64_and_within_a_rounding_in_fp32():
@@ -478,8 +481,9 @@ def test_bench_times_every_mode_in_turns(data_dir, capsys, monkeypatch):
     # the test's (each reading 1 s later: the warm-up's 3 s pass in 7 steps, a round of 2 steps
     # takes 5 readings, so 2 * 64 tokens / 5 s): each mode gets bench_repeats timed rounds, the
     # table names them all with the ratios of their rates, and hetero's row says how its step
-    # split and where its time went (each engine's own seconds: the real clock). The meter
-    # draws a constant power per mode on that clock, so J/token is watts over tokens/s
+    # split and where its time went (each engine's own seconds: a clock of the engines' threads
+    # read twice a share, 0.25 s a reading). The meter draws a constant power per mode on the
+    # round's clock, so J/token is watts over tokens/s
     import bench
     clock, watts = Clock(tick=1.0), iter([10.0, 4.0, 12.0])  # gpu, ane, hetero: built in turn
 
@@ -496,6 +500,7 @@ def test_bench_times_every_mode_in_turns(data_dir, capsys, monkeypatch):
             pass
 
     monkeypatch.setattr(bench, 'time', clock)
+    monkeypatch.setattr(hg, 'time', Clock(tick=0.25))
     monkeypatch.setattr(hg.energy, 'EnergyMeter', PowerMeter)
     cfg, given = hg.parse_args(helpers.flags(data_dir, bench_iters=2, bench_repeats=2, ane_fraction=0.5),
                                bench.BenchConfig)
@@ -505,8 +510,8 @@ def test_bench_times_every_mode_in_turns(data_dir, capsys, monkeypatch):
         assert r['rounds'] == [26, 26] and r['tok_s'] == 2 * 64 / 5 and r['ms_step'] == 1000.0
     # 10 W at 25.6 tokens/s; rel 1e-12: a few fp64 roundings of sums of whole seconds
     assert [rows[m]['j_tok'] for m in ('gpu', 'ane', 'hetero')] == pytest.approx([10 / 25.6, 4 / 25.6, 12 / 25.6], rel=1e-12)
-    assert {m: set(r['ms_engines']) for m, r in rows.items()} == {'gpu': {'gpu'}, 'ane': {'ane'}, 'hetero': {'gpu', 'ane'}}
-    assert all(v > 0 for r in rows.values() for v in r['ms_engines'].values())
+    assert {m: r['ms_engines'] for m, r in rows.items()} == {'gpu': {'gpu': 250.0}, 'ane': {'ane': 250.0},
+                                                             'hetero': {'gpu': 250.0, 'ane': 250.0}}
     assert rows['hetero']['split'] == '1/2' and rows['gpu']['split'] == rows['ane']['split'] == '-'
     out = capsys.readouterr().out
     table = {line.split()[0]: line.split() for line in out[out.index('x GPU-only'):].splitlines()[1:4]}

@@ -246,25 +246,26 @@ class Tty(io.StringIO):
 def test_the_bar_shows_one_eta_and_fits_110_columns(monkeypatch):
     # the bar's own remaining time (tqdm's, which counts the compiling first step) is not shown:
     # one projection, from the steps after the first, evaluations and checkpoints included;
-    # the row's values under short names, so that J/token fits beside them at 110 columns
+    # the row's values under short names, so that J/token fits beside them at 110 columns; the
+    # gradient's norm of every step (before clipping), logged row or not
     monkeypatch.setattr(hg.progress, 'no_bar', lambda quiet: False)
     monkeypatch.setattr(sys, 'stderr', Tty())
     monkeypatch.setenv(hg.progress.QUIET_ENV, '1')  # no first-step timer thread here
     cfg = hg.Config(max_iters=100, batch_size=2, block_size=16)
     said = []
     display = hg.progress.Display(cfg, hg.Progress(), log=said.append)
-    result = hg.StepResult(10.0, 2, ['gpu'], 1.0, 0, {})
     row = dict(loss=10.87654, val_loss=10.5, tokens_per_s=123456.7, ane_microbatches=1,
                joules_per_token=0.00123)
     for it in range(1, 6):
         prog = hg.Progress(it=it)
-        display.stepped(prog, row, result)
+        display.stepped(prog, row if it < 5 else {}, hg.StepResult(10.0, 2, ['gpu'], it + 0.25, 0, {}))
     bar = str(display.bar)
     display.close()
-    assert 'J/tok=' in bar and 'eta=' in bar and '<' not in bar, bar  # tqdm's ETA is '<remaining'
+    assert 'mJ/tok=1.2' in bar and 'eta=' in bar and '<' not in bar, bar  # tqdm's ETA is '<remaining'
+    assert 'norm=5.2,' in bar and 'loss=10.877' in bar, bar  # this step's norm; the last row's loss
     postfix = bar[bar.index('loss='):].rstrip(']')
-    # the bar's fixed parts take ~31 columns at 1000 steps, the bar itself at least 10
-    assert len(postfix) <= 110 - 31 - 10, postfix
+    # the bar's fixed parts take ~28 columns at 1000 steps, the bar itself at least 10
+    assert len(postfix) <= 110 - 28 - 10, postfix
     assert len(said) == 1 and said[0].startswith('projected: ') and 'with evaluations and checkpoints' in said[0]
 
 
