@@ -270,6 +270,24 @@ def test_three_calling_threads_get_the_same_answer_from_one_trace(engines):
         assert all(torch.equal(g, out[0][1][k]) for k, g in grads.items())
 
 
+def test_the_torch_weights_are_read_in_the_calling_thread(engines, monkeypatch):
+    # where the weights are copied (Linux; a Mac whose torch keeps MPS private), the caller's
+    # thread reads them and the MLX thread gets host tensors: only the caller touches torch's
+    # MPS during a call (mlx.md 4). Every Tensor.cpu() call is recorded with its thread
+    model = perturbed_model()
+    eng = engines(model)
+    callers = []
+    cpu = torch.Tensor.cpu
+
+    def spy(self, *args, **kwargs):
+        callers.append(threading.current_thread().name)
+        return cpu(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, 'cpu', spy)
+    eng.loss_and_grads(*batch())
+    assert len(callers) > len(eng.params)  # each weight and the batch
+    assert set(callers) == {threading.current_thread().name}
+
+
 def test_bf16_casts_the_fp32_weights_and_returns_fp32_gradients(engines):
     # bf16 as torch's autocast does it: each linear and attention in bf16 (8 bits of mantissa,
     # 0.4% a rounding), layernorms and the loss in fp32. Against fp32 autograd: the loss within

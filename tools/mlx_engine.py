@@ -223,29 +223,37 @@ class MLXEngine(hg.Engine):
             return False
         return True
 
-    def weights(self):
+    def host_weights(self):
+        """The model's weights now, on the host: read in the caller's thread, so that only it
+        touches torch's MPS (mlx.md 4). None where MLX shares them."""
+        if self.alias:
+            return None
+        return {k: p.detach().cpu() for k, p in self.params.items()}
+
+    def weights(self, host):
         """{name: mx.array} of the model's weights now. Never a copy cached across steps: fused
         AdamW changes them without bumping a version counter (mlx.md 5)."""
-        if not self.alias:  # a copy into MLX's memory each call, from the host (mlx.md 2)
-            return {k: mx.asarray(p.detach().cpu(), copy=True) for k, p in self.params.items()}
+        if host is not None:  # a copy into MLX's memory each call, from the host (mlx.md 2)
+            return {k: mx.asarray(t, copy=True) for k, t in host.items()}
         ptrs = [p.data_ptr() for p in self.params.values()]
         if ptrs != self.ptrs:  # made once; AdamW's updates show through
             self.w = {k: mx.asarray(p.detach(), copy=False) for k, p in self.params.items()}
             self.ptrs = ptrs
         return self.w
 
-    def mlx_step(self, idx, targets):
+    def mlx_step(self, host, idx, targets):
         """In the MLX thread: the loss and gradients, evaluated (mlx.md 3)."""
         idx = mx.array(idx, dtype=mx.int32)
         targets = mx.array(targets, dtype=mx.int32)
-        loss, grads = self.step(self.weights(), idx, targets)
+        loss, grads = self.step(self.weights(host), idx, targets)
         mx.eval(loss, grads)
         return loss, grads
 
     def loss_and_grads(self, idx, targets):
         if self.device.type == 'mps':  # torch's queue drained, GIL released (mlx.md 3)
             torch.ones((), device=self.device).item()
-        loss, grads = self.mlx.run(self.mlx_step, idx.cpu().numpy(), targets.cpu().numpy())
+        host = self.host_weights()
+        loss, grads = self.mlx.run(self.mlx_step, host, idx.cpu().numpy(), targets.cpu().numpy())
         out = {}
         seen = set()
         for k, p in self.params.items():
