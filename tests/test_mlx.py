@@ -180,8 +180,9 @@ REAL_MAC = os.uname().sysname == 'Darwin' and torch.backends.mps.is_available() 
 def test_on_a_mac_the_weights_are_shared_and_the_gradients_land_on_mps():
     # torch >= 2.12 and mlx >= 0.32: MLX reads the MPS weights in place, so an in-place update
     # by torch shows in MLX's arrays with no call between; the gradients come back on MPS,
-    # laid out as the parameters, and equal autograd's on MPS after a fused AdamW step
-    # (fp32 on both GPUs, ~1e-6 relative; bound 1e-4 as test_grads' fp32)
+    # laid out as the parameters, in torch's own memory (resizable storage: not a DLPack
+    # import of MLX's untracked buffers, mlx.md 3), and equal autograd's on MPS after a fused
+    # AdamW step (fp32 on both GPUs, ~1e-6 relative; bound 1e-4 as test_grads' fp32)
     mps = torch.device('mps')
     model = perturbed_model().to(mps)
     eng = me.MLXEngine(model, mps, torch.float32)
@@ -191,6 +192,7 @@ def test_on_a_mac_the_weights_are_shared_and_the_gradients_land_on_mps():
         grads = eng.loss_and_grads(idx, targets)[1]
         params = dict(model.named_parameters())
         assert all(g.device.type == 'mps' and g.stride() == params[k].stride() for k, g in grads.items())
+        assert all(g.untyped_storage().resizable() for g in grads.values())
         with torch.no_grad():
             params['transformer.wpe.weight'].add_(1.0)
         torch.ones((), device=mps).item()
