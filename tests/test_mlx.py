@@ -180,8 +180,9 @@ REAL_MAC = os.uname().sysname == 'Darwin' and torch.backends.mps.is_available() 
 def test_on_a_mac_the_weights_are_shared_and_the_gradients_land_on_mps():
     # torch >= 2.12 and mlx >= 0.32: MLX reads the MPS weights in place, so an in-place update
     # by torch shows in MLX's arrays with no call between; the gradients come back on MPS,
-    # laid out as the parameters, and equal autograd's on MPS after a fused AdamW step
-    # (fp32 on both GPUs, ~1e-6 relative; bound 1e-4 as test_grads' fp32)
+    # laid out as the parameters, in torch's own memory (resizable storage: not a DLPack
+    # import of MLX's untracked buffers, mlx.md 3), and equal autograd's on MPS after a fused
+    # AdamW step (fp32 on both GPUs, ~1e-6 relative; bound 1e-4 as test_grads' fp32)
     mps = torch.device('mps')
     model = perturbed_model().to(mps)
     eng = me.MLXEngine(model, mps, torch.float32)
@@ -191,6 +192,7 @@ def test_on_a_mac_the_weights_are_shared_and_the_gradients_land_on_mps():
         grads = eng.loss_and_grads(idx, targets)[1]
         params = dict(model.named_parameters())
         assert all(g.device.type == 'mps' and g.stride() == params[k].stride() for k, g in grads.items())
+        assert all(g.untyped_storage().resizable() for g in grads.values())
         with torch.no_grad():
             params['transformer.wpe.weight'].add_(1.0)
         torch.ones((), device=mps).item()
@@ -268,6 +270,24 @@ def test_three_calling_threads_get_the_same_answer_from_one_trace(engines):
     for loss, grads in out[1:]:
         assert torch.equal(loss, out[0][0])
         assert all(torch.equal(g, out[0][1][k]) for k, g in grads.items())
+
+
+def test_the_torch_weights_are_read_in_the_calling_thread(engines, monkeypatch):
+    # where the weights are copied (Linux; a Mac whose torch keeps MPS private), the caller's
+    # thread reads them and the MLX thread gets host tensors: only the caller touches torch's
+    # MPS during a call (mlx.md 4). Every Tensor.cpu() call is recorded with its thread
+    model = perturbed_model()
+    eng = engines(model)
+    callers = []
+    cpu = torch.Tensor.cpu
+
+    def spy(self, *args, **kwargs):
+        callers.append(threading.current_thread().name)
+        return cpu(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, 'cpu', spy)
+    eng.loss_and_grads(*batch())
+    assert len(callers) > len(eng.params)  # each weight and the batch
+    assert set(callers) == {threading.current_thread().name}
 
 
 def test_bf16_casts_the_fp32_weights_and_returns_fp32_gradients(engines):

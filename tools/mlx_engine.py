@@ -21,7 +21,8 @@ an independent read against MLX's and PyTorch's sources should check (mlx.md sec
    before MLX: AdamW's writes are done before MLX reads, and torch no longer reads gradient
    buffers that MLX may reuse (mlx.md 3).
 3. mx.eval before returning completes MLX's writes, so torch may read the gradients at once,
-   and leaves nothing lazy for another thread (mlx.md 3, 4).
+   and leaves nothing lazy for another thread (mlx.md 3, 4). On Metal torch copies them into
+   its own memory, which Metal orders for it; MLX's buffers are untracked (mlx.md 3).
 4. Gradients are row-contiguous with the parameters' strides, each in its own buffer, as
    fused AdamW ignores strides (mlx.md 5).
 """
@@ -223,49 +224,63 @@ class MLXEngine(hg.Engine):
             return False
         return True
 
-    def weights(self):
+    def host_weights(self):
+        """The model's weights now, on the host: read in the caller's thread, so that only it
+        touches torch's MPS (mlx.md 4). None where MLX shares them."""
+        if self.alias:
+            return None
+        return {k: p.detach().cpu() for k, p in self.params.items()}
+
+    def weights(self, host):
         """{name: mx.array} of the model's weights now. Never a copy cached across steps: fused
         AdamW changes them without bumping a version counter (mlx.md 5)."""
-        if not self.alias:  # a copy into MLX's memory each call, from the host (mlx.md 2)
-            return {k: mx.asarray(p.detach().cpu(), copy=True) for k, p in self.params.items()}
+        if host is not None:  # a copy into MLX's memory each call, from the host (mlx.md 2)
+            return {k: mx.asarray(t, copy=True) for k, t in host.items()}
         ptrs = [p.data_ptr() for p in self.params.values()]
         if ptrs != self.ptrs:  # made once; AdamW's updates show through
             self.w = {k: mx.asarray(p.detach(), copy=False) for k, p in self.params.items()}
             self.ptrs = ptrs
         return self.w
 
-    def mlx_step(self, idx, targets):
+    def mlx_step(self, host, idx, targets):
         """In the MLX thread: the loss and gradients, evaluated (mlx.md 3)."""
         idx = mx.array(idx, dtype=mx.int32)
         targets = mx.array(targets, dtype=mx.int32)
-        loss, grads = self.step(self.weights(), idx, targets)
+        loss, grads = self.step(self.weights(host), idx, targets)
         mx.eval(loss, grads)
         return loss, grads
 
     def loss_and_grads(self, idx, targets):
         if self.device.type == 'mps':  # torch's queue drained, GIL released (mlx.md 3)
             torch.ones((), device=self.device).item()
-        loss, grads = self.mlx.run(self.mlx_step, idx.cpu().numpy(), targets.cpu().numpy())
+        host = self.host_weights()
+        loss, grads = self.mlx.run(self.mlx_step, host, idx.cpu().numpy(), targets.cpu().numpy())
         out = {}
         seen = set()
         for k, p in self.params.items():
-            g = self.to_torch(grads[k])
+            g = self.to_torch(grads[k], p)
             if g.stride() != p.stride() or g.data_ptr() in seen:  # a guard; MLX's never are
                 g = torch.empty_like(p).copy_(g)
             seen.add(g.data_ptr())
             out[k] = g
         return torch.tensor(loss.item(), device=self.device), out
 
-    def to_torch(self, g):
-        """An evaluated MLX array as a tensor on the engine's device: by DLPack, no copy where
-        torch reads MLX's device (mlx.md 3); else a copy through the host, said once."""
+    def to_torch(self, g, like):
+        """An evaluated MLX array as a tensor on the engine's device. By DLPack: on the CPU
+        MLX's memory itself; from Metal a copy into torch's own memory, laid out as `like`
+        (mlx.md 3). Without DLPack a copy through the host, said once."""
         if self.dlpack:
             try:
-                return torch.from_dlpack(g).to(self.device)
+                t = torch.from_dlpack(g)
             except (RuntimeError, TypeError, BufferError) as e:
                 self.dlpack = False
                 print(f"MLX engine: gradients copied through the host, as this torch cannot "
                       f"import MLX's arrays ({e})")
+            else:
+                if t.device.type != 'mps':
+                    return t.to(self.device)
+                # MLX's buffers are untracked by Metal: torch's passes would be unordered
+                return torch.empty_like(like).copy_(t)
         return torch.from_numpy(np.array(g)).to(self.device)
 
     def close(self):
