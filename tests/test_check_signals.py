@@ -213,8 +213,9 @@ SLOW = pytest.mark.slow  # (each a few seconds of processes: SIGINT's runs by de
 def test_a_stop_acts_within_a_second_even_when_the_stage_cannot_hear_it(tmp_path, sig, code, group):
     # the second stage is in a call no signal ends (its SIGTERM ignored, as a Core ML compile in C
     # would be): Ctrl-C to the terminal's group, or SIGTERM or SIGHUP to the check alone, ends the
-    # check with one line and the signal's exit code, its stage's process killed. Within 5 s of
-    # the signal: a second's grace, the kill, the report, the exit (on a loaded 2-core machine)
+    # check with one line and the signal's exit code, its stage's process killed. Within 10 s of
+    # the signal: a second's grace, the kill, the report, the exit (on a 2-core machine running
+    # two tests at once); a stop that waited for the stage would wait its hour
     proc, said = run_stages(tmp_path, 'deaf')
     time.sleep(3)  # the stage's process started, deaf
     t0 = time.monotonic()
@@ -222,7 +223,7 @@ def test_a_stop_acts_within_a_second_even_when_the_stage_cannot_hear_it(tmp_path
     out, err = proc.communicate(timeout=120)
     took = time.monotonic() - t0
     assert proc.returncode == code, (said + out, err)
-    assert took < 5, took
+    assert took < 10, took
     assert 'Traceback' not in err and 'Error' not in err, err
     assert [line for line in (said + out).splitlines() if 'interrupted' in line] == [
         f"interrupted in stage second: the stages before it are in {tmp_path / 'c.md'} (a new report)"]
