@@ -7,8 +7,8 @@
 set -euo pipefail
 what=$1
 out=$2
-pip install -q --no-index --no-deps --target /tmp/site .whl312/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site
+# into the environment's own site-packages: the tests' subprocesses set their own PYTHONPATH
+python3 -m pip install -q --no-index --no-deps .whl312/*.whl 2>&1 | tail -2
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader
 python3 -c "import torch, mlx.core, coremltools, wandb; print('torch', torch.__version__)"
 case $what in
