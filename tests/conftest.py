@@ -2,6 +2,7 @@
 run; Core ML programs exported once per shape; Ctrl-C at a chosen step."""
 import importlib.util
 import platform
+import signal
 import sys
 import urllib.error
 
@@ -27,11 +28,15 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def process_settings():
     """A run's engines set the process's GIL switch interval and CPU threads for training
-    (hetero_gpt.build_engines): each test gets back what it found."""
+    (hetero_gpt.build_engines), and its stops the signals' handlers: each test gets back what
+    it found."""
     before = sys.getswitchinterval(), torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     yield
     sys.setswitchinterval(before[0])
     torch.set_num_threads(before[1])
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
 
 
 @pytest.fixture(scope='session')

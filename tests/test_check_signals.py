@@ -179,13 +179,18 @@ def test_a_rerun_stopped_early_keeps_every_finished_verdict(tmp_path):
     assert [r.get('result') for r in stages[1:]] == [r.get('result') for r in records()[1:]]
 
 
+def default_ctrl_c():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_stages(tmp_path, second):
     """check_stages.py's check (three stand-in stages), its second stage `second`, in a session of
     its own: (process, what it said until its second stage started)."""
     env = dict(os.environ, CHECK_STAGES_SECOND=second, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')]))
+    # Ctrl-C heard as in a terminal, where a harness in the background would pass it on ignored
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'check_stages.py'), str(tmp_path / 'c.json')],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env, preexec_fn=default_ctrl_c)
     said = ''
     while 'stage second' not in said:
         line = proc.stdout.readline()
