@@ -40,7 +40,7 @@ RATIOS = (('hetero-mlx', 'gpu-mlx', "headline, both engines against MLX alone"),
 @dataclass
 class BenchConfig(hg.Config):
     bench_iters: int = hg.setting(10, "timed steps per mode and round (after >= 5 warm-up steps and 3 s)")
-    bench_repeats: int = hg.setting(3, "rounds: the modes take turns, each reports its median round")
+    bench_repeats: int = hg.setting(3, "rounds of each arm, which reports its median round")
     fast: bool = hg.setting(False, "run tools/fast_standin.py's model and stand-in")
     fused_kernels: bool = hg.setting(False, "with --fast: the stand-in's pieces as fused kernels")
     plot: str = hg.setting('', "also draw the table as bars in this PNG file (needs matplotlib)")

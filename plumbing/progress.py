@@ -205,7 +205,7 @@ class Metrics:
             own |= {f'{n}_tokens_per_s': rate, f'{n}_loss': loss}  # each engine's own mean loss: a check on the other
         if 'ane' in self.engines:
             own['loss_scale'] = self.engines['ane'].scaler.scale
-        if self.meter.joules() is not None:  # a meter ran: the steps' joules, as their seconds
+        if self.meter.meters:  # a meter ran: the steps' joules, as their seconds
             own['joules_per_token'] = (prog.joules - joules) / (prog.tokens - tokens)
         self.last = prog.elapsed, prog.tokens, prog.joules
         return row | (own if world()[1] == 1 else dict(ranks=gather(own)))

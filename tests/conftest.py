@@ -1,10 +1,10 @@
 """Shared fixtures: a tiny text data set and Tiny Shakespeare (offline), prepared once per test
 run; Core ML programs exported once per shape; Ctrl-C at a chosen step."""
-import importlib.util
-import platform
+import os
 import signal
 import sys
 import urllib.error
+from importlib import metadata
 
 import pytest
 import torch
@@ -12,17 +12,34 @@ import torch
 import prepare_data
 
 
+def required_here(env=None):
+    """The packages of tests/requirements.txt that apply to this machine, or to env (markers)."""
+    from packaging.requirements import Requirement  # (pytest's own dependency)
+    for line in open(os.path.join(os.path.dirname(__file__), 'requirements.txt')):
+        text = line.split('#')[0].strip()
+        if text:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate(env):
+                yield req.name
+
+
 def pytest_configure(config):
     """A test requirement that is missing fails the run at once, in one line (only hardware the
-    machine lacks, a CUDA GPU, is skipped). tests/requirements.txt lists them."""
-    needed = ['coremltools', 'transformers', 'matplotlib', 'wandb']
-    if sys.platform == 'linux' or (sys.platform == 'darwin' and platform.machine() == 'arm64'):
-        needed.append('mlx')  # (MLX has no build for other machines)
-    missing = [m for m in needed if importlib.util.find_spec(m) is None]  # (not imported)
+    machine lacks, a CUDA GPU, is skipped): coremltools, and tests/requirements.txt's."""
+    needed = ['coremltools', *required_here()]
+    missing = [m for m in needed if not installed(m)]
     if missing:
         pytest.exit(f"error: the tests need {', '.join(missing)}: install what README's test "
                     "command does, pip install -r requirements.txt -r tests/requirements.txt",
                     returncode=2)
+
+
+def installed(name):
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 @pytest.fixture(autouse=True)

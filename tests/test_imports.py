@@ -141,3 +141,18 @@ def test_the_trainer_runs_its_file_once():
     assert r.returncode == 0, r.stderr[-2000:]
     loaded = [line.rsplit('|', 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith('import time:')]
     assert 'plumbing.settings' in loaded and 'hetero_gpt' not in loaded
+
+
+def test_the_test_requirements_fit_each_python_and_macos_a_user_may_have():
+    # MLX 0.32 has wheels for Python 3.10+ on macOS 14+ (Darwin 23) and Linux; wandb 0.31 for
+    # Python 3.10+: elsewhere the test command installs, and the suite requires, the rest
+    from conftest import required_here
+    base = {'pytest', 'pytest-xdist', 'transformers', 'matplotlib'}
+    mac = dict(sys_platform='darwin', platform_machine='arm64', platform_release='24.1.0')
+    assert set(required_here(dict(mac, python_version='3.9'))) == base
+    assert set(required_here(dict(mac, python_version='3.12', platform_release='22.6.0'))) == base | {'wandb'}
+    assert set(required_here(dict(mac, python_version='3.12'))) == base | {'wandb', 'mlx'}
+    intel = dict(mac, platform_machine='x86_64', python_version='3.12')
+    assert set(required_here(intel)) == base | {'wandb'}
+    linux = dict(sys_platform='linux', platform_machine='x86_64', platform_release='6.1.0-18-amd64')
+    assert set(required_here(dict(linux, python_version='3.11'))) == base | {'wandb', 'mlx'}

@@ -252,7 +252,7 @@ def test_wandb_logs_from_rank_0_alone(monkeypatch, tmp_path):
     from plumbing import progress
     runs = fake_wandb(monkeypatch)
     cfg = hg.Config(out_dir=str(tmp_path), wandb_log=True)
-    meter = types.SimpleNamespace(joules=lambda: None)
+    meter = types.SimpleNamespace(joules=lambda: None, meters=[])
     prog = hg.Progress()
     for rank in (1, 0):
         m = progress.Metrics(cfg, rank, {}, types.SimpleNamespace(device='cpu'), meter, prog)

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -41,6 +42,7 @@ import hetero_gpt as hg  # defines: Engine, LossScaler, UserError, Config, Class
 #   setting, main, train
 from plumbing import memory  # defines: total_memory, add_parts
 
+os.environ.setdefault('MLX_ENABLE_TF32', '0')  # fp32 is fp32 on an M5's GPU too (mlx.md 6)
 try:
     import mlx.core as mx
 except ImportError:  # an error line when used, not at import (bench.py imports this file)

@@ -191,10 +191,7 @@ def draw(runs, path, plt):
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_formatter(EngFormatter(sep=''))
         if not drawn[panel]:
-            ax.text(0.5, 0.5, EMPTY.get(panel, 'nothing logged'), ha='center', va='center',
-                    transform=ax.transAxes, color='0.4')
-            ax.set_xticks([])
-            ax.set_yticks([])
+            empty(ax, EMPTY.get(panel, 'nothing logged'))
             continue
         gray = dict(color='0.3') if several else {}  # several runs: the colours are the runs'
         handles = [Line2D([], [], **(s | gray)) for s in drawn[panel].values()]
@@ -267,6 +264,13 @@ def main(argv=None):
 # -----------------------------------------------------------------------------
 # bench.py's table as a chart
 
+def empty(ax, why):
+    """A panel with nothing to draw says why, in gray, without ticks."""
+    ax.text(0.5, 0.5, why, ha='center', va='center', transform=ax.transAxes, color='0.4')
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
 def bench_bars(rows, against, base):
     """{panel: [(arm, value, its label)]}: bench.py's tokens/s (x base) and J/token (% vs base)
     per arm, against (bench.against) holding each arm's ratios to base; no J/token panel
@@ -294,10 +298,7 @@ def bench_chart(rows, against, base, title, path):
         ax.set_xlabel('arm')
         ax.grid(axis='y', alpha=0.3)
         if not bs:
-            ax.text(0.5, 0.5, "no energy meter here: J/token n/a", ha='center', va='center',
-                    transform=ax.transAxes, color='0.4')
-            ax.set_xticks([])
-            ax.set_yticks([])
+            empty(ax, "no energy meter here: J/token n/a")
             continue
         colours = [f'C{i}' for i in range(len(bs))]
         drawn = ax.bar([b[0] for b in bs], [b[1] for b in bs], color=colours)
