@@ -124,11 +124,10 @@ def ratio(rows, arm, base):
     return a['tok_s'] / b['tok_s'], dj
 
 
-def compare(rows, gpu='gpu', hetero='hetero'):
-    """The paper's ratios: each arm against the GPU-only arm `gpu` (ratio), and hetero's tokens/s
-    over the sum of the two engines' alone (1.0: the engines overlap perfectly)."""
-    against_gpu = {arm: ratio(rows, arm, gpu) for arm in rows}
-    return against_gpu, rows[hetero]['tok_s'] / (rows[gpu]['tok_s'] + rows['ane']['tok_s'])
+def overlap(rows, gpu='gpu', hetero='hetero'):
+    """hetero's tokens/s over the sum of its two engines' alone, `gpu` and the ANE's (1.0: the
+    engines overlap perfectly)."""
+    return rows[hetero]['tok_s'] / (rows[gpu]['tok_s'] + rows['ane']['tok_s'])
 
 
 def cooldown_seconds(value):
@@ -186,7 +185,7 @@ def overlaps(rows):
     lines = []
     for arm in (a for a in rows if a.startswith('hetero')):
         gpu = arm.replace('hetero', 'gpu')
-        lines.append(f"{arm} / ({gpu} + ane alone) = {compare(rows, gpu, arm)[1]:.3f}")
+        lines.append(f"{arm} / ({gpu} + ane alone) = {overlap(rows, gpu, arm):.3f}")
     return lines
 
 
@@ -196,10 +195,11 @@ def table(rows):
     base = baseline(rows)
     name = 'GPU-only' if base == 'gpu' else base
     w = max(8, *map(len, rows))
+    ratios = against(rows)
     lines = [f"{'arm':{w}} {'tokens/s':>10} {'x ' + name:>10} {'J/token':>10} "
              f"{'energy vs ' + name:>18}  ANE share"]
     for arm, r in rows.items():
-        x, dj = against(rows)[arm]
+        x, dj = ratios[arm]
         jt = f"{r['j_tok']:.4g}" if r['j_tok'] is not None else 'n/a'
         dj = f"{dj:+.1f}%" if dj is not None else 'n/a'
         lines.append(f"{arm:{w}} {r['tok_s']:10.0f} {x:10.3f} {jt:>10} {dj:>18}  {r['split']}")
